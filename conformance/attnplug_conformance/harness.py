@@ -1,0 +1,247 @@
+"""A small engine for driving any backend the way DESIGN.md's "How an engine drives it" does.
+
+``World`` owns one KV pool, allocator and request table and one backend instance; it plans
+steps for a set of live requests in any ``ForwardMode`` (allocating slots, writing
+``req_to_token``, building the ``ForwardBatch`` with device-side constructors), runs them
+eagerly or through a ``GraphRunner``, evicts out-of-window SWA slots between steps and frees
+requests when they finish. Each request keeps its token history (k, v per layer, on the host)
+so that any result can be recomputed densely.
+
+Device-neutral: the device is a ``torch.device`` given by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+
+from attnplug import (
+    AttentionBackend,
+    ForwardBatch,
+    ForwardMode,
+    GraphRunner,
+    ReqToTokenPool,
+    SWAKVPool,
+    SWATokenAllocator,
+)
+
+__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step"]
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """Shapes of one test world. ``swa_layer_ids`` default: 3 of every 4 layers are SWA."""
+
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    dtype: torch.dtype = torch.float32
+    sliding_window: Optional[int] = 8
+    page_size: int = 1
+    size: int = 1024
+    size_swa: int = 512
+    max_reqs: int = 16
+    max_context_len: int = 256
+    swa_layer_ids: Optional[Tuple[int, ...]] = None
+
+    def swa_layers(self) -> Tuple[int, ...]:
+        if self.sliding_window is None:
+            return ()
+        if self.swa_layer_ids is not None:
+            return tuple(self.swa_layer_ids)
+        return tuple(i for i in range(self.num_layers) if i % 4 != 3)
+
+
+@dataclass
+class Request:
+    row: int
+    seq_len: int = 0
+    # history[layer] = (k [seq_len, Hkv, D], v [seq_len, Hkv, D]) on the host, float64
+    history: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    """One planned step: the batch, the model inputs, and the requests it extends."""
+
+    batch: ForwardBatch
+    inputs: Dict[str, torch.Tensor]  # "q" [T, L, H, D], "k"/"v" [T, L, Hkv, D] on the device
+    requests: List[Request]
+    new_tokens: List[int]
+
+
+def layer_step(backend: AttentionBackend, num_layers: int):
+    """The model of a step: every layer's attention, stacked to ``[T, L, H, D]``."""
+
+    def step(batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        outs = [
+            backend.forward(inputs["q"][:, l], inputs["k"][:, l], inputs["v"][:, l], l, batch)
+            for l in range(num_layers)
+        ]
+        if not outs:
+            return inputs["q"].new_empty(inputs["q"].shape)
+        return torch.stack(outs, dim=1)
+
+    return step
+
+
+class World:
+    """One pool + allocator + request table + backend (see module docstring)."""
+
+    def __init__(self, spec: WorldSpec, backend_cls: Type[AttentionBackend], device, *, seed: int = 0):
+        self.spec = spec
+        self.device = torch.device(device)
+        self.pool = SWAKVPool(
+            spec.size,
+            spec.size_swa,
+            spec.num_layers,
+            spec.swa_layers(),
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.dtype,
+            self.device,
+            page_size=spec.page_size,
+        )
+        self.alloc = SWATokenAllocator(self.pool)
+        self.rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, self.device)
+        self.backend = backend_cls(self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.requests: List[Request] = []
+        self.step_fn = layer_step(self.backend, spec.num_layers)
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self) -> Request:
+        req = Request(row=self.rows.alloc())
+        req.history = [
+            (torch.zeros(0, self.spec.num_kv_heads, self.spec.head_dim, dtype=torch.float64),) * 2
+            for _ in range(self.spec.num_layers)
+        ]
+        self.requests.append(req)
+        return req
+
+    def finish(self, req: Request) -> None:
+        """Free every slot of the request and its row."""
+        if req.seq_len:
+            locs = self.rows.req_to_token[req.row, : req.seq_len].to(torch.int64)
+            self.alloc.free(locs)
+        self.rows.free(req.row)
+        self.requests.remove(req)
+
+    def evict(self, req: Request) -> int:
+        if self.spec.sliding_window is None:
+            return 0
+        return self.alloc.evict_out_of_window(self.rows, req.row, req.seq_len, self.spec.sliding_window)
+
+    def rollback(self, req: Request, keep: int) -> None:
+        """Drop the last ``req.seq_len - keep`` tokens (rejected drafts): free their slots."""
+        if keep >= req.seq_len:
+            return
+        if self.spec.page_size != 1:
+            raise ValueError("rollback is only planned for page_size 1")
+        locs = self.rows.req_to_token[req.row, keep : req.seq_len].to(torch.int64)
+        self.alloc.free(locs)
+        self.rows.req_to_token[req.row, keep : req.seq_len] = 0
+        req.history = [(k[:keep], v[:keep]) for k, v in req.history]
+        req.seq_len = keep
+
+    # ------------------------------------------------------------------ steps
+    def _randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator, dtype=torch.float32)
+
+    def _allocate(self, reqs: Sequence[Request], new: Sequence[int]) -> torch.Tensor:
+        if self.spec.page_size == 1:
+            return self.alloc.alloc(sum(new))
+        prefix = [r.seq_len for r in reqs]
+        seq = [p + n for p, n in zip(prefix, new)]
+        last = [int(self.rows.req_to_token[r.row, r.seq_len - 1]) if r.seq_len else -1 for r in reqs]
+        return self.alloc.alloc_extend(prefix, seq, last)
+
+    def plan(self, mode: ForwardMode, reqs: Sequence[Request], new_tokens=None, *, num_draft_tokens=None) -> Step:
+        """Allocate slots for the next tokens of ``reqs`` and describe the step.
+
+        ``new_tokens``: per-request counts for EXTEND (an int applies to all); DECODE uses 1,
+        TARGET_VERIFY / DRAFT_EXTEND use ``num_draft_tokens``.
+        """
+        spec, dev = self.spec, self.device
+        reqs = list(reqs)
+        if mode is ForwardMode.IDLE:
+            empty = torch.zeros(0, dtype=torch.int64, device=dev)
+            batch = ForwardBatch(mode, 0, empty, empty, empty, positions=empty)
+            return Step(batch, self._inputs(0), [], [])
+        if mode is ForwardMode.DECODE:
+            new = [1] * len(reqs)
+        elif mode.is_speculative:
+            new = [int(num_draft_tokens)] * len(reqs)
+        else:
+            new = [new_tokens] * len(reqs) if isinstance(new_tokens, int) else list(new_tokens)
+        locs = self._allocate(reqs, new)
+        positions = []
+        offset = 0
+        for r, n in zip(reqs, new):
+            self.rows.req_to_token[r.row, r.seq_len : r.seq_len + n] = locs[offset : offset + n].to(torch.int32)
+            positions.extend(range(r.seq_len, r.seq_len + n))
+            offset += n
+        seq_after = [r.seq_len + n for r, n in zip(reqs, new)]
+        batch = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64).to(dev),
+            seq_lens=torch.tensor(seq_after, dtype=torch.int64).to(dev),
+            out_cache_loc=locs.to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            seq_lens_cpu=None,
+            extend_seq_lens=torch.tensor(new, dtype=torch.int64).to(dev) if mode is ForwardMode.EXTEND else None,
+            extend_seq_lens_cpu=new if mode is ForwardMode.EXTEND else None,
+            num_draft_tokens=num_draft_tokens if mode.is_speculative else None,
+        )
+        return Step(batch, self._inputs(sum(new)), reqs, new)
+
+    def _inputs(self, T: int) -> Dict[str, torch.Tensor]:
+        s = self.spec
+        L, H, Hkv, D = s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim
+        return {
+            "q": self._randn(T, L, H, D).to(self.device, s.dtype),
+            "k": self._randn(T, L, Hkv, D).to(self.device, s.dtype),
+            "v": self._randn(T, L, Hkv, D).to(self.device, s.dtype),
+        }
+
+    def input_shapes(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        s = self.spec
+        return {
+            "q": ((s.num_layers, s.num_heads, s.head_dim), s.dtype),
+            "k": ((s.num_layers, s.num_kv_heads, s.head_dim), s.dtype),
+            "v": ((s.num_layers, s.num_kv_heads, s.head_dim), s.dtype),
+        }
+
+    def commit(self, step: Step) -> None:
+        """Record the step's tokens in each request's history and length."""
+        offset = 0
+        k_all = step.inputs["k"].detach().to("cpu", torch.float64)
+        v_all = step.inputs["v"].detach().to("cpu", torch.float64)
+        for r, n in zip(step.requests, step.new_tokens):
+            r.history = [
+                (torch.cat([k, k_all[offset : offset + n, l]]), torch.cat([v, v_all[offset : offset + n, l]]))
+                for l, (k, v) in enumerate(r.history)
+            ]
+            r.seq_len += n
+            offset += n
+
+    def run_eager(self, step: Step) -> torch.Tensor:
+        self.backend.init_forward_metadata(step.batch)
+        return self.step_fn(step.batch, step.inputs)
+
+    def graph_runner(self, *, max_bs: int, num_draft_tokens: Optional[int] = None, bucket_sizes=None, modes=None) -> GraphRunner:
+        runner = GraphRunner(
+            self.backend,
+            self.step_fn,
+            max_bs=max_bs,
+            inputs=self.input_shapes(),
+            num_draft_tokens=num_draft_tokens,
+            bucket_sizes=bucket_sizes,
+            modes=modes,
+        )
+        runner.capture()
+        return runner

@@ -1,0 +1,6 @@
+"""Device graphs: the graph API a plugin supplies and the runner that captures/replays steps."""
+
+from .device_graph import DeviceGraph, EagerGraph
+from .runner import GraphRunner, StepFn, default_bucket_sizes
+
+__all__ = ["DeviceGraph", "EagerGraph", "GraphRunner", "StepFn", "default_bucket_sizes"]

@@ -1,0 +1,12 @@
+import os
+import sys
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)  # tests/oracle.py and the deliberately broken backends
+
+# Without an accelerator, Triton kernels run in the interpreter. This must be decided before
+# any kernel module is imported (the @triton.jit decorator reads it).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
