@@ -1,0 +1,282 @@
+"""The ``cuda`` backend: Triton (and optionally CUDA C++) kernels with PDL, CUDA graphs.
+
+Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the layers read:
+the hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the
+window's start, each new token's position, and the window's SWA slot table (full-pool rows
+translated once per step). Per layer, two launches: the KV store at the hoisted slots and
+the paged attention (plus a combine launch when the KV range is split for decode).
+
+Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
+launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).
+
+Options (environment, read at construction):
+
+* ``ATTNPLUG_DISABLE_PDL=1``: launch without Programmatic Dependent Launch.
+* ``ATTNPLUG_KV_STORE=cpp``: store KV with the CUDA C++ kernel (``csrc/kv_store.cu``, built
+  JIT on first use); when it cannot be built the Triton store is used and ``describe()`` /
+  ``attnplug info`` say why. Default ``triton``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
+from attnplug.batch import ForwardBatch
+
+from .device import CudaGraph, strict_sync_guard
+
+__all__ = ["CudaBackend"]
+
+
+def _interpreter_on() -> bool:
+    """Triton's interpreter runs these kernels on CPU tensors (CI uses it: no GPU there)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@dataclass
+class _StepTables:
+    """Per-step tables (device tensors; graph mode: views of the static buffers)."""
+
+    max_q_len: int  # host bound: most new tokens of one request
+    cu_q_lens: torch.Tensor  # [bs + 1] int32
+    window_start: torch.Tensor  # [bs] int32: position of column 0 of swa_window_table
+    token_pos: torch.Tensor  # [T] int32: position of each new token
+    swa_out_cache_loc: Optional[torch.Tensor]  # [T] int32: hoisted SWA slots of the new tokens
+    swa_window_table: Optional[torch.Tensor]  # [bs, width] int32: SWA slots of the window
+    workspace: Optional[torch.Tensor]  # fp32 split-KV scratch (graph mode: static)
+
+
+def _kv_store_choice() -> Tuple[str, str]:
+    """Which KV store kernel to use and why."""
+    wanted = os.environ.get("ATTNPLUG_KV_STORE", "triton").strip().lower()
+    if wanted not in ("triton", "cpp"):
+        raise ValueError(f"ATTNPLUG_KV_STORE must be 'triton' or 'cpp', got {wanted!r}")
+    if wanted == "triton":
+        return "triton", "default (ATTNPLUG_KV_STORE=cpp selects the CUDA C++ kernel)"
+    from .cpp_ext import cpp_kv_store_status, try_load_kv_store_ext
+
+    ok, reason = cpp_kv_store_status()
+    if ok and try_load_kv_store_ext() is not None:
+        return "cpp", "ATTNPLUG_KV_STORE=cpp"
+    return "triton", f"CUDA C++ KV store unavailable: {reason}"
+
+
+class CudaBackend(AttentionBackend):
+    """Paged hybrid full + SWA attention on NVIDIA GPUs (see module docstring)."""
+
+    name = "cuda"
+    needs_cpu_seq_lens = False
+
+    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
+        super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
+        if self.device.type != "cuda" and not _interpreter_on():
+            raise ValueError(
+                f"the cuda backend needs a pool on a CUDA device, got {self.device} "
+                "(on the CPU it runs only under the Triton interpreter, TRITON_INTERPRET=1)"
+            )
+        from .kernels import load_kernels, pdl_supported
+
+        kernels = load_kernels()
+        self._kv_store_triton = kernels.kv_store
+        self._paged_attention = kernels.paged_attention
+        self._step_metadata = kernels.step_metadata
+        self._workspace_numel = kernels.workspace_numel
+        self.pdl, self.pdl_reason = pdl_supported(self.device)
+        self.kv_store_impl, self.kv_store_reason = _kv_store_choice()
+        self.has_swa = bool(pool.swa_layer_ids)
+        width = req_to_token_pool.req_to_token.shape[1]
+        self.max_context_len = width
+        self.forward_metadata: Optional[_StepTables] = None
+        self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
+        self._graph_buffers: Optional[Dict[str, torch.Tensor]] = None
+        self._graph_tables: Dict[Tuple[int, int], _StepTables] = {}
+        self._table_rows = torch.arange(req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------------ description
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            device_type=self.device.type,
+            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
+            pdl=self.pdl,
+            graphs=GraphSupport.UNIFORM,
+            dtypes=(torch.float16, torch.bfloat16),
+            head_dims=(64, 128, 256),
+            page_sizes=(1, 2, 4, 8, 16, 32, 64),
+            sliding_window=True,
+        )
+
+    @classmethod
+    def describe(cls) -> dict:
+        """What ``attnplug info`` shows without building a pool: run-time PDL and KV store."""
+        from .kernels import pdl_supported
+
+        pdl, pdl_reason = pdl_supported(torch.device("cuda", torch.cuda.current_device()))
+        store, store_reason = _kv_store_choice()
+        return {
+            "pdl": pdl,
+            "pdl_reason": pdl_reason,
+            "graphs": GraphSupport.UNIFORM.name,
+            "needs_cpu_seq_lens": cls.needs_cpu_seq_lens,
+            "kv_store": store,
+            "kv_store_reason": store_reason,
+        }
+
+    # ------------------------------------------------------------------ device services
+    # Under the Triton interpreter on a machine without CUDA, the base class's eager
+    # stand-ins apply (no graph, no sync guard, nothing to wait for).
+    @classmethod
+    def new_graph(cls):
+        return CudaGraph() if torch.cuda.is_available() else super().new_graph()
+
+    @classmethod
+    def sync_guard(cls):
+        return strict_sync_guard() if torch.cuda.is_available() else super().sync_guard()
+
+    @classmethod
+    def synchronize(cls, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # ------------------------------------------------------------------ metadata
+    def _table_width(self, max_q_len: int) -> int:
+        return min(self.max_context_len, self.sliding_window + max_q_len - 1)
+
+    def _fill(self, batch: ForwardBatch, t: _StepTables) -> None:
+        """The step's ONE metadata launch, writing into ``t``'s tensors."""
+        extend = batch.q_len if batch.q_len is not None else batch.extend_seq_lens
+        self._step_metadata(
+            batch.req_pool_indices,
+            batch.seq_lens,
+            extend,
+            batch.out_cache_loc,
+            cu_q_lens=t.cu_q_lens,
+            window_start=t.window_start,
+            token_pos=t.token_pos,
+            full_to_swa_index_mapping=self.pool.full_to_swa_index_mapping if self.has_swa else None,
+            swa_out_cache_loc=t.swa_out_cache_loc,
+            req_to_token=self.req_to_token_pool.req_to_token if self.has_swa else None,
+            swa_window_table=t.swa_window_table,
+            window=self.sliding_window if self.has_swa else None,
+            pdl=self.pdl,
+        )
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        bs, T, dev = batch.batch_size, batch.num_tokens, self.device
+        if batch.q_len is not None:
+            max_q = batch.q_len
+        else:  # EXTEND: extend lens are known on the host by ForwardBatch's contract
+            max_q = max(batch.extend_seq_lens_cpu or [1])
+        i32 = dict(dtype=torch.int32, device=dev)
+        t = _StepTables(
+            max_q_len=max_q,
+            cu_q_lens=torch.empty(bs + 1, **i32),
+            window_start=torch.empty(bs, **i32),
+            token_pos=torch.empty(T, **i32),
+            swa_out_cache_loc=torch.empty(T, **i32) if self.has_swa else None,
+            swa_window_table=torch.empty(bs, self._table_width(max_q), **i32) if self.has_swa else None,
+            workspace=None,
+        )
+        if bs:
+            self._fill(batch, t)
+        self.forward_metadata = t
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.cuda_graph_swa_out_cache_loc = torch.zeros(max_num_tokens, **i32)
+        buffers = {
+            "cu_q_lens": torch.zeros(max_bs + 1, **i32),
+            "window_start": torch.zeros(max_bs, **i32),
+            "token_pos": torch.zeros(max_num_tokens, **i32),
+            "workspace": torch.empty(
+                self._workspace_numel(max_num_tokens, self.num_heads, self.head_dim), dtype=torch.float32, device=dev
+            ),
+        }
+        if self.has_swa:
+            # Rows of any captured (bs, q_len) fit: bs * (W + q_len - 1) <= max_bs * W + max_num_tokens.
+            buffers["swa_window_table"] = torch.zeros(max_bs * self.sliding_window + max_num_tokens, **i32)
+        self._graph_buffers = buffers
+        self._graph_tables = {}
+
+    def _graph_views(self, batch: ForwardBatch) -> _StepTables:
+        if self._graph_buffers is None:
+            raise RuntimeError("init_cuda_graph_state() must run before capture or replay")
+        if batch.q_len is None:
+            raise ValueError(f"{batch.forward_mode.name} steps are not captured by the cuda backend (UNIFORM)")
+        key = (batch.batch_size, batch.q_len)
+        t = self._graph_tables.get(key)
+        if t is None:
+            bs, n, b = batch.batch_size, batch.num_tokens, self._graph_buffers
+            if n > self.cuda_graph_swa_out_cache_loc.shape[0] or bs + 1 > b["cu_q_lens"].shape[0]:
+                raise ValueError(f"batch of {bs} requests / {n} tokens exceeds the graph state")
+            table = None
+            if self.has_swa:
+                width = self._table_width(batch.q_len)
+                table = b["swa_window_table"][: bs * width].view(bs, width)
+            t = _StepTables(
+                max_q_len=batch.q_len,
+                cu_q_lens=b["cu_q_lens"][: bs + 1],
+                window_start=b["window_start"][:bs],
+                token_pos=b["token_pos"][:n],
+                # The whole buffer: the launch translates [:n] and zeroes the tail.
+                swa_out_cache_loc=self.cuda_graph_swa_out_cache_loc if self.has_swa else None,
+                swa_window_table=table,
+                workspace=b["workspace"],
+            )
+            self._graph_tables[key] = t
+        return t
+
+    def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
+        t = self._graph_views(batch)
+        self._fill(batch, t)
+        self.forward_metadata = t
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        t = self._graph_views(batch)
+        self._fill(batch, t)
+        self.forward_metadata = t
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # ------------------------------------------------------------------ the layer
+    def _store(self, k, v, k_cache, v_cache, loc) -> None:
+        if self.kv_store_impl == "cpp":
+            from .cpp_ext import kv_store as cpp_kv_store
+
+            cpp_kv_store(k, v, k_cache, v_cache, loc, self.pdl)
+        else:
+            self._kv_store_triton(k, v, k_cache, v_cache, loc, pdl=self.pdl)
+
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+        t = self.forward_metadata
+        if t is None:
+            raise RuntimeError("forward() before init_forward_metadata() for this step")
+        T = batch.num_tokens
+        if tuple(q.shape) != (T, self.num_heads, self.head_dim):
+            raise ValueError(f"q must be [{T}, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        is_swa = self.pool.is_swa_layer(layer_id)
+        k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
+        if save_kv_cache:
+            loc = t.swa_out_cache_loc[:T] if is_swa else batch.out_cache_loc
+            self._store(k, v, k_cache, v_cache, loc)
+        out = torch.empty_like(q)
+        if T == 0:
+            return out
+        if is_swa:
+            table, rows, start = t.swa_window_table, self._table_rows, t.window_start
+            max_kv, window = t.swa_window_table.shape[1], self.sliding_window
+        else:
+            table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
+            max_kv, window = self.max_context_len, None
+        return self._paged_attention(
+            q, k_cache, v_cache, out,
+            cu_q_lens=t.cu_q_lens, seq_lens=batch.seq_lens, table=table, table_rows=rows, table_start=start,
+            max_q_len=t.max_q_len, max_kv_len=max_kv, sm_scale=self.scaling, window=window,
+            workspace=t.workspace, pdl=self.pdl,
+        )
