@@ -28,7 +28,7 @@ import torch
 from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
 from attnplug.batch import ForwardBatch
 
-from .device import CudaGraph, strict_sync_guard
+from .device import cuda_graph, strict_sync_guard
 
 __all__ = ["CudaBackend"]
 
@@ -131,7 +131,7 @@ class CudaBackend(AttentionBackend):
     # stand-ins apply (no graph, no sync guard, nothing to wait for).
     @classmethod
     def new_graph(cls):
-        return CudaGraph() if torch.cuda.is_available() else super().new_graph()
+        return cuda_graph() if torch.cuda.is_available() else super().new_graph()
 
     @classmethod
     def sync_guard(cls):
