@@ -12,8 +12,10 @@ from .backend import AttentionBackend, BackendConfigError, Capabilities, GraphSu
 from .batch import BatchError, ForwardBatch, ForwardMode
 from .graphs import DeviceGraph, EagerGraph, GraphRunner
 from .memory import (
+    InvariantViolation,
     KVSlotError,
     OutOfKVSlots,
+    OutOfReqSlots,
     ReqToTokenPool,
     SWAKVPool,
     SWATokenAllocator,
@@ -26,6 +28,14 @@ _LAZY = {
     "available_backends": "attnplug.registry",
     "PLUGIN_API_VERSION": "attnplug.registry",
     "hookimpl": "attnplug.registry",
+    "load_errors": "attnplug.registry",
+    "reset_registry": "attnplug.registry",
+    "BackendInfo": "attnplug.registry",
+    "ProbeResult": "attnplug.registry",
+    "RegistryError": "attnplug.registry",
+    "BackendNotFound": "attnplug.registry",
+    "BackendUnavailable": "attnplug.registry",
+    "AmbiguousBackend": "attnplug.registry",
 }
 
 
@@ -47,8 +57,10 @@ __all__ = [
     "ForwardMode",
     "GraphRunner",
     "GraphSupport",
+    "InvariantViolation",
     "KVSlotError",
     "OutOfKVSlots",
+    "OutOfReqSlots",
     "ReqToTokenPool",
     "SWAKVPool",
     "SWATokenAllocator",
