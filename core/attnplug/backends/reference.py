@@ -76,6 +76,11 @@ class ReferenceBackend(AttentionBackend):
             sliding_window=True,
         )
 
+    @classmethod
+    def describe(cls) -> dict:
+        """What ``attnplug info`` shows without building a pool."""
+        return {"pdl": False, "graphs": GraphSupport.UNIFORM.name, "needs_cpu_seq_lens": cls.needs_cpu_seq_lens}
+
     # ------------------------------------------------------------------ metadata
     def _swa_table_width(self, q_len_max: int) -> int:
         width = self.req_to_token_pool.req_to_token.shape[1]

@@ -1,0 +1,180 @@
+"""The ``attnplug`` command.
+
+Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed in
+``SUBCOMMANDS``; each sets ``func`` (``args -> exit code``) on its parser. To add one, write
+``_add_<name>`` and append it to ``SUBCOMMANDS``.
+
+* ``attnplug info [--json]``: every registered backend (availability and reason, device,
+  ``needs_cpu_seq_lens``, PDL, graph support) and every plugin load error.
+* ``attnplug --version``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "info_data"]
+
+
+# ---------------------------------------------------------------------------- info
+def info_data(registry=None) -> Dict[str, Any]:
+    """What ``attnplug info`` shows, as JSON-able data (``--json`` prints exactly this)."""
+    import attnplug
+    from attnplug import registry as reg
+
+    registry = registry if registry is not None else reg.get_registry()
+    backends: List[Dict[str, Any]] = []
+    for info in registry.available_backends():
+        row = info.to_json()
+        caps = info.capabilities or {}
+        # PDL and graph support are instance data; shown only when the class describes them
+        row["pdl"] = caps.get("pdl") if info.available else None
+        row["graphs"] = caps.get("graphs") if info.available else None
+        backends.append(row)
+    default = default_error = None
+    try:
+        default = registry.select()[0]
+    except reg.RegistryError as exc:
+        default_error = str(exc)
+    return {
+        "attnplug_version": attnplug.__version__,
+        "plugin_api_version": reg.PLUGIN_API_VERSION,
+        "entry_point_group": reg.ENTRY_POINT_GROUP,
+        "environment": {name: os.environ.get(name) for name in (reg.ENV_BACKEND, reg.ENV_PLUGINS)},
+        "default_backend": default,
+        "default_error": default_error,
+        "backends": backends,
+        "errors": [error.to_json() for error in registry.load_errors()],
+    }
+
+
+def _cell(value: Any, available: bool) -> str:
+    if not available:
+        return "-"
+    if value is None:
+        return "?"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _dist(distribution: Optional[str], version: Optional[str]) -> str:
+    if not distribution:
+        return "-"
+    return f"{distribution} {version}" if version else distribution
+
+
+def _console():
+    from rich.console import Console
+
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        return Console(width=160)  # pipes and logs: do not squeeze reasons into 80 columns
+    return Console()
+
+
+def _print_info(data: Dict[str, Any]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    console = _console()
+    table = Table(title=f"attnplug {data['attnplug_version']} backends (plugin API {data['plugin_api_version']})",
+                  title_justify="left")
+    for column in ("backend", "distribution", "priority", "available", "device",
+                   "needs_cpu_seq_lens", "PDL", "graphs", "reason"):
+        table.add_column(column, overflow="fold")
+    for row in data["backends"]:
+        ok = row["available"]
+        name = row["name"] + (" *" if row["name"] == data["default_backend"] else "")
+        table.add_row(
+            Text(name),
+            Text(_dist(row["distribution"], row["version"])),
+            str(row["priority"]),
+            Text("yes", style="green") if ok else Text("no", style="red"),
+            Text(row["device"] or "-"),
+            _cell(row["needs_cpu_seq_lens"], ok),
+            _cell(row["pdl"], ok),
+            _cell(row["graphs"], ok),
+            Text(row["reason"]),
+        )
+    console.print(table)
+    if data["default_backend"]:
+        console.print(Text(f"* default: get_backend() returns {data['default_backend']!r}"))
+    else:
+        console.print(Text(f"no default backend: {data['default_error']}", style="red"))
+    env = ", ".join(f"{k}={v}" for k, v in data["environment"].items() if v)
+    if env:
+        console.print(Text(f"environment: {env}"))
+    if data["errors"]:
+        errors = Table(title="plugin load errors", title_justify="left")
+        for column in ("plugin", "distribution", "entry point", "kind", "reason"):
+            errors.add_column(column, overflow="fold")
+        for error in data["errors"]:
+            plugin = error["plugin"] + (f" (backend {error['backend']})" if error.get("backend") else "")
+            errors.add_row(Text(plugin), Text(_dist(error["distribution"], error["version"])),
+                           Text(error["entry_point"]), error["kind"], Text(error["reason"]))
+        console.print(errors)
+    else:
+        console.print(Text("no plugin load errors"))
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    data = info_data()
+    if args.json:
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_info(data)
+    return 0
+
+
+def _add_info(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "info",
+        help="list registered backends, their availability and plugin load errors",
+        description="List every registered attention backend (available or not, with the reason) "
+                    "and every plugin that failed to load. Runs the probes; creates no device context.",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.set_defaults(func=_run_info)
+
+
+# ---------------------------------------------------------------------------- entry point
+#: functions that add one subcommand each to the ``attnplug`` parser
+SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info]
+
+
+def _version_text() -> str:
+    import attnplug
+    from attnplug.registry import PLUGIN_API_VERSION
+
+    return f"attnplug {attnplug.__version__} (plugin API {PLUGIN_API_VERSION})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnplug",
+        description="Attention backends for hybrid full + sliding-window KV caches, one plugin per device family.",
+    )
+    parser.add_argument("--version", action="version", version=_version_text())
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Plugin registry: discovery through the entry-point group ``attnplug.backends``, loading by
+pluggy (project name ``attnplug``, one hook ``attnplug_register_backends``), and backend
+selection. Importing this package discovers nothing; the registry is built on first use.
+
+Public API (also reachable lazily from ``attnplug``):
+
+* ``available_backends() -> list[BackendInfo]``, ``get_backend(name=None) -> type``,
+  ``load_errors() -> list[PluginError]``;
+* ``hookimpl`` (for plugin authors), ``PLUGIN_API_VERSION``, ``ProbeResult``;
+* errors ``RegistryError`` > ``BackendNotFound`` / ``BackendUnavailable`` / ``AmbiguousBackend``;
+* for tests and tools: ``load_registry(...)``, ``get_registry()``, ``reset_registry()``.
+"""
+
+from .hookspecs import AttnplugHookspecs, hookimpl, hookspec
+from .records import (
+    AmbiguousBackend,
+    BackendInfo,
+    BackendNotFound,
+    BackendRecord,
+    BackendUnavailable,
+    PluginError,
+    ProbeResult,
+    RegistryError,
+)
+from .registry import (
+    ENTRY_POINT_GROUP,
+    ENV_BACKEND,
+    ENV_PLUGINS,
+    PLUGIN_API_VERSION,
+    Registry,
+    available_backends,
+    discover_entry_points,
+    get_backend,
+    get_registry,
+    load_errors,
+    load_registry,
+    reset_registry,
+)
+
+__all__ = [
+    "AmbiguousBackend",
+    "AttnplugHookspecs",
+    "BackendInfo",
+    "BackendNotFound",
+    "BackendRecord",
+    "BackendUnavailable",
+    "ENTRY_POINT_GROUP",
+    "ENV_BACKEND",
+    "ENV_PLUGINS",
+    "PLUGIN_API_VERSION",
+    "PluginError",
+    "ProbeResult",
+    "Registry",
+    "RegistryError",
+    "available_backends",
+    "discover_entry_points",
+    "get_backend",
+    "get_registry",
+    "hookimpl",
+    "hookspec",
+    "load_errors",
+    "load_registry",
+    "reset_registry",
+]

@@ -1,0 +1,100 @@
+"""The plugin contract: one pluggy hook, ``attnplug_register_backends``.
+
+A plugin is a module (or object) named by an entry point in the group ``attnplug.backends``::
+
+    # the plugin's pyproject.toml
+    [project.entry-points."attnplug.backends"]
+    mydevice = "attnplug_mydevice.plugin"
+
+    # attnplug_mydevice/plugin.py
+    from attnplug import hookimpl
+
+    PLUGIN_API_VERSION = "1.0"
+
+    def _probe():
+        ...  # find the device without initialising its runtime
+        return True, "2 devices visible"
+
+    @hookimpl
+    def attnplug_register_backends(register):
+        register(name="mydevice", backend="attnplug_mydevice.backend:MyDeviceBackend",
+                 probe=_probe, priority=100)
+
+Plugin authors may also build their own marker, ``pluggy.HookimplMarker("attnplug")``; it is the
+same thing.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+__all__ = ["PROJECT_NAME", "hookspec", "hookimpl", "AttnplugHookspecs"]
+
+#: the pluggy project name shared by the hook specification and every implementation
+PROJECT_NAME = "attnplug"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class AttnplugHookspecs:
+    """The hook specifications of attnplug (one hook)."""
+
+    @hookspec
+    def attnplug_register_backends(self, register):
+        """Register the attention backends this plugin provides.
+
+        Called once per plugin, when the registry is first used (never at ``import attnplug``).
+        Call ``register`` once per backend, with keyword arguments only::
+
+            register(name="mydevice",
+                     backend="attnplug_mydevice.backend:MyDeviceBackend",
+                     probe=probe,
+                     priority=100)
+
+        ``name`` (str)
+            The backend's registry name: what ``get_backend(name)``, ``ATTNPLUG_BACKEND`` and
+            ``attnplug info`` use. Unique across all plugins: a second registration of a taken
+            name is rejected (and reported); the first one, in discovery order, keeps it.
+            By convention it equals the entry-point name, so that a plugin that fails to load
+            can still be reported when the user asks for it by name.
+
+        ``backend`` (str, ``"module:Class"``)
+            Where the ``attnplug.backend.AttentionBackend`` subclass lives. It is imported
+            only when the backend is selected (or listed as available), never at registration,
+            so the plugin module itself stays importable on any machine. A target that fails
+            to import or is not an ``AttentionBackend`` subclass makes the backend unavailable,
+            with that reason.
+
+        ``probe`` (callable, no arguments)
+            Says whether the backend can run in this process. Returns either a
+            ``attnplug.registry.ProbeResult(available, reason, device=None)`` or a tuple
+            ``(available: bool, reason: str)``; ``reason`` says what was found or what is
+            missing, in words a user can act on. The probe:
+
+            * must not initialise a device runtime or create a device context (count
+              devices, check versions, find modules; do not allocate or query properties that
+              need a context);
+            * may import vendor modules (lazily, inside the probe) and must be cheap: it runs
+              for ``attnplug info`` and for automatic backend selection;
+            * may raise: the exception is caught and reported as the reason the backend is
+              unavailable. It is run at most once per registry.
+
+        ``priority`` (int)
+            Used only when no backend is named (neither ``get_backend(name)`` nor
+            ``ATTNPLUG_BACKEND``): the available backend with the highest priority wins, and a
+            tie at the top is an error naming the candidates. The reference backend is 0;
+            accelerator plugins use 100.
+
+        Versioning: the module that holds this hook implementation must declare
+        ``PLUGIN_API_VERSION = "MAJOR.MINOR"`` (a string). A plugin whose major differs from
+        ``attnplug.registry.PLUGIN_API_VERSION``, or that declares none, is skipped and listed
+        with the reason; minor versions are compatible.
+
+        Isolation: each plugin is loaded and called on its own. If importing it or this hook
+        raises, none of its registrations are kept, the error is recorded (``attnplug info``
+        shows it) and every other plugin loads normally. A backend is an error only when the
+        user selects it; the error carries the recorded reason.
+
+        The return value is ignored.
+        """

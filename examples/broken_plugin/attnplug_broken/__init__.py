@@ -1,0 +1,1 @@
+"""A deliberately broken attnplug plugin: importing ``attnplug_broken.plugin`` raises."""

@@ -1,0 +1,1 @@
+"""A minimal third-party attnplug plugin (see ../README.md)."""

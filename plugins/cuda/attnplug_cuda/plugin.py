@@ -1,0 +1,53 @@
+"""Registers the ``cuda`` backend (entry point ``cuda`` in the ``attnplug.backends`` group).
+
+Importable on any machine: torch and triton are looked at only inside the probe, and the
+backend module (``attnplug_cuda.backend``) is imported by the registry only when the probe
+passes and the backend is listed or selected.
+"""
+
+from __future__ import annotations
+
+from attnplug.registry import ProbeResult, hookimpl
+
+PLUGIN_API_VERSION = "1.0"
+
+MIN_TRITON = (3, 5)
+
+
+def _version_tuple(version: str):
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def probe() -> ProbeResult:
+    """Available when torch is a CUDA build, an NVIDIA GPU is visible and Triton >= 3.5
+    imports. Creates no CUDA context (``torch.cuda.device_count`` does not)."""
+    import torch
+
+    if getattr(torch.version, "hip", None):
+        return ProbeResult(False, f"torch {torch.__version__} is a ROCm build; this backend needs a CUDA build")
+    if not torch.version.cuda:
+        return ProbeResult(False, f"torch {torch.__version__} was built without CUDA")
+    count = torch.cuda.device_count()
+    if count == 0:
+        return ProbeResult(False, f"no NVIDIA GPU visible (torch {torch.__version__}, CUDA {torch.version.cuda}, "
+                                  "torch.cuda.device_count() == 0; check the driver and CUDA_VISIBLE_DEVICES)")
+    try:
+        import triton
+    except Exception as exc:  # not installed, or broken
+        return ProbeResult(False, f"triton >= {'.'.join(map(str, MIN_TRITON))} is required: import failed: "
+                                  f"{type(exc).__name__}: {exc} (pip install 'attnplug[cuda]')", device=f"{count} GPU(s)")
+    version = getattr(triton, "__version__", "0")
+    if _version_tuple(version) < MIN_TRITON:
+        return ProbeResult(False, f"triton {version} is too old; need >= {'.'.join(map(str, MIN_TRITON))}",
+                           device=f"{count} GPU(s)")
+    return ProbeResult(True, f"{count} NVIDIA GPU(s) visible, CUDA {torch.version.cuda}, triton {version}",
+                       device=f"cuda ({count} visible)")
+
+
+@hookimpl
+def attnplug_register_backends(register):
+    register(name="cuda", backend="attnplug_cuda.backend:CudaBackend", probe=probe, priority=100)
