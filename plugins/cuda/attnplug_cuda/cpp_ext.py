@@ -331,6 +331,8 @@ def kv_store(k, v, k_cache, v_cache, loc, pdl: bool = False) -> bool:
     ``pdl`` requests Programmatic Dependent Launch (decide it with
     ``attnplug_cuda.kernels.pdl.pdl_supported``; ``ATTNPLUG_DISABLE_PDL=1`` turns it off here
     too); returns whether it was used."""
-    if pdl and os.environ.get("ATTNPLUG_DISABLE_PDL", "").strip().lower() in _TRUE:
+    from attnplug.pdl import pdl_disabled_by_env
+
+    if pdl and pdl_disabled_by_env():
         pdl = False
     return bool(load_kv_store_ext().kv_store(k, v, k_cache, v_cache, loc, bool(pdl)))

@@ -1,0 +1,52 @@
+"""Run every kernel of the CUDA plugin once on small shapes, PDL on, for compute-sanitizer.
+
+``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
+``--tool racecheck``): the store (Triton and C++), the step-metadata launch, and paged
+attention for decode (split KV + combine) and extend, on SWA and full layers, eager and in a
+captured graph. Small on purpose: the sanitizer slows kernels by orders of magnitude.
+"""
+
+import sys
+
+import torch
+
+from attnplug import ForwardMode
+from attnplug_conformance.harness import World, WorldSpec
+
+SPEC = WorldSpec(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, sliding_window=16,
+                 size=2048, size_swa=1024, max_reqs=8, max_context_len=256, swa_layer_ids=(0,))
+
+
+def main() -> int:
+    from attnplug_cuda.backend import CudaBackend
+
+    world = World(SPEC, CudaBackend, "cuda", seed=0)
+    reqs = [world.new_request() for _ in range(3)]
+    step = world.plan(ForwardMode.EXTEND, reqs, [40, 7, 100])
+    world.run_eager(step)
+    world.commit(step)
+    for r in reqs:
+        world.evict(r)
+    step = world.plan(ForwardMode.DECODE, reqs)
+    world.run_eager(step)
+    world.commit(step)
+    runner = world.graph_runner(max_bs=4, num_draft_tokens=3, bucket_sizes=[4])
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        step = world.plan(mode, reqs, num_draft_tokens=3 if mode.is_speculative else None)
+        runner.run(step.batch, step.inputs)
+        world.commit(step)
+    from attnplug_cuda.cpp_ext import cpp_kv_store_status, kv_store
+
+    ok, reason = cpp_kv_store_status()
+    if ok:
+        k = torch.randn(5, 2, 128, dtype=torch.bfloat16, device="cuda")
+        kc = torch.zeros(64, 2, 128, dtype=torch.bfloat16, device="cuda")
+        vc = torch.zeros_like(kc)
+        kv_store(k, k, kc, vc, torch.arange(1, 6, device="cuda", dtype=torch.int32), True)
+    torch.cuda.synchronize()
+    print(f"kernels ran (pdl={world.backend.pdl}, cpp store: {reason})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""A hybrid full + SWA world for the step benchmarks (``step_metadata``, ``hybrid_step``).
+
+``build_world`` makes one pool, allocator and request table, then ``max_bs`` requests of
+``context - num_draft`` prefix tokens each, allocated through ``SWATokenAllocator`` (so
+the full -> SWA mapping is the allocator's), with the out-of-window SWA slots evicted as an
+engine would between steps. Each request then gets ``num_draft`` more slots for the step
+(positions ``context - num_draft .. context - 1``): a DECODE step uses the first of them
+(``seq_len = context - num_draft + 1``), TARGET_VERIFY / DRAFT_EXTEND use all of them
+(``seq_len = context``). The steps are replayed many times over the same slots.
+
+``make_step`` is the "model": every layer's attention over random per-layer q/k/v (static
+tensors, so the graph runner's only per-step input copy is a tiny one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from attnplug import ForwardBatch, ForwardMode, ReqToTokenPool, SWAKVPool, SWATokenAllocator
+
+__all__ = ["HybridWorld", "build_world", "make_step", "INPUTS"]
+
+#: the GraphRunner's per-token input: one element (q/k/v live in the step, see make_step)
+INPUTS = {"x": ((1,), torch.float32)}
+
+
+@dataclass
+class HybridWorld:
+    pool: SWAKVPool
+    rows: ReqToTokenPool
+    alloc: SWATokenAllocator
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int
+    context: int
+    num_draft: int
+    req_rows: List[int]
+    step_slots: torch.Tensor  # [max_bs, num_draft] int64, device
+    _batches: Dict[Tuple[ForwardMode, int, bool], ForwardBatch] = field(default_factory=dict)
+
+    def batch(self, mode: ForwardMode, bs: int, *, with_cpu: bool) -> ForwardBatch:
+        """The step of the first ``bs`` requests; ``with_cpu`` adds ``seq_lens_cpu``."""
+        key = (mode, bs, with_cpu)
+        if key in self._batches:
+            return self._batches[key]
+        dev = self.pool.device
+        q = 1 if mode is ForwardMode.DECODE else self.num_draft
+        seq_len = self.context - self.num_draft + q
+        start = self.context - self.num_draft
+        rows = torch.tensor(self.req_rows[:bs], dtype=torch.int64).to(dev)
+        loc = self.step_slots[:bs, :q].reshape(-1).contiguous()
+        positions = (start + torch.arange(q, dtype=torch.int64, device=dev)).repeat(bs)
+        batch = ForwardBatch(
+            forward_mode=mode,
+            batch_size=bs,
+            req_pool_indices=rows,
+            seq_lens=torch.full((bs,), seq_len, dtype=torch.int64, device=dev),
+            out_cache_loc=loc,
+            positions=positions,
+            seq_lens_cpu=[seq_len] * bs if with_cpu else None,
+            num_draft_tokens=q if mode.is_speculative else None,
+        )
+        self._batches[key] = batch
+        return batch
+
+
+def build_world(
+    *,
+    num_layers: int,
+    max_bs: int,
+    context: int,
+    window: int,
+    num_draft: int = 4,
+    num_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    fill_random: bool = True,
+    seed: int = 0,
+) -> HybridWorld:
+    """See the module docstring. SWA layers: ``layer % 4 != 3``."""
+    prefix = context - num_draft
+    assert prefix >= 1 and window >= 1
+    swa_layers = [l for l in range(num_layers) if l % 4 != 3]
+    size = max_bs * (context + 8)
+    # Live SWA slots per request after eviction: window - 1 + num_draft; plus one prefix in flight.
+    size_swa = max_bs * (window + num_draft + 8) + context + 64
+    pool = SWAKVPool(size, size_swa, num_layers, swa_layers, num_kv_heads, head_dim, dtype, device)
+    alloc = SWATokenAllocator(pool)
+    rows = ReqToTokenPool(max_bs + 2, context + 64, device)
+    req_rows: List[int] = []
+    step_slots = []
+    for _ in range(max_bs):
+        row = rows.alloc()
+        loc = alloc.alloc(prefix)
+        rows.req_to_token[row, :prefix] = loc.to(torch.int32)
+        alloc.evict_out_of_window(rows, row, prefix, window)
+        req_rows.append(row)
+    for row in req_rows:
+        loc = alloc.alloc(num_draft)
+        rows.req_to_token[row, prefix:context] = loc.to(torch.int32)
+        step_slots.append(loc)
+    if fill_random:
+        gen = torch.Generator(device=pool.device).manual_seed(seed)
+        for buf in (*pool.k_buffer, *pool.v_buffer):
+            buf.normal_(generator=gen)
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize()
+    return HybridWorld(
+        pool=pool, rows=rows, alloc=alloc, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, context=context, num_draft=num_draft,
+        req_rows=req_rows, step_slots=torch.stack(step_slots),
+    )
+
+
+def make_step(backend, world: HybridWorld, max_tokens: int, *, seed: int = 1):
+    """``step(batch, inputs)``: every layer's attention over static random q/k/v of that
+    layer; returns the last layer's output ``[T, H, D]``."""
+    L, H, Hkv, D = world.num_layers, world.num_heads, world.num_kv_heads, world.head_dim
+    dev, dtype = world.pool.device, world.pool.dtype
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q_all = torch.randn(L, max_tokens, H, D, device=dev, dtype=dtype, generator=gen)
+    k_all = torch.randn(L, max_tokens, Hkv, D, device=dev, dtype=dtype, generator=gen)
+    v_all = torch.randn(L, max_tokens, Hkv, D, device=dev, dtype=dtype, generator=gen)
+
+    def step(batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        T = batch.num_tokens
+        out: Optional[torch.Tensor] = None
+        for l in range(L):
+            out = backend.forward(q_all[l, :T], k_all[l, :T], v_all[l, :T], l, batch)
+        return out
+
+    step.tensors = (q_all, k_all, v_all)  # keep alive with the step
+    return step

@@ -1,0 +1,147 @@
+"""Store one step's new K and V rows into a layer's paged KV cache.
+
+``k_cache[loc[t]] = k[t]`` and ``v_cache[loc[t]] = v[t]`` for every new token ``t``: all
+``Hkv`` heads of a token in one program, vectorised over ``Hkv * D`` elements.
+
+Layout and shapes (``T`` new tokens, ``Hkv`` kv heads, ``D`` head dim, ``S`` cache slots):
+
+==========  ===========================  ==============================================
+tensor      shape / dtype                notes
+==========  ===========================  ==============================================
+k, v        [T, Hkv, D] fp16/bf16/fp32   the cache's dtype; last dim contiguous and
+                                         heads dense (``stride(1) == D``), token stride
+                                         free (views of a fused qkv tensor are fine)
+k_cache,    [S, Hkv, D], same dtype      contiguous
+v_cache
+loc         [T] int32 or int64           cache slot of each token: the hoisted int32
+                                         ``swa_out_cache_loc`` on SWA layers, the int64
+                                         ``out_cache_loc`` on full layers
+==========  ===========================  ==============================================
+
+Padded tokens carry slot 0 (the padding sink) and are written there like any other token. A
+negative slot (the ``-1`` that ``full_to_swa_index_mapping`` keeps for ``-1``) means "no
+slot": that token is skipped rather than written out of bounds.
+
+PDL: the kernel waits (``gdc_wait``) before reading k, v or loc, which its predecessor (the
+projection, the step's metadata) wrote, and releases its dependents after its stores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .interpret import ensure_interpreter_compat
+
+__all__ = ["kv_store"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_BLOCK = 4096  # elements one program handles per chunk (Hkv * D is usually <= 2048)
+
+ensure_interpreter_compat()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@triton.jit
+def _kernel(
+    K,
+    V,
+    KCache,
+    VCache,
+    Loc,
+    stride_kt,
+    stride_vt,
+    HD: tl.constexpr,  # Hkv * D: one cache row
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(Loc + t).to(tl.int64)
+    if slot >= 0:
+        k_row = K + t * stride_kt
+        v_row = V + t * stride_vt
+        kc_row = KCache + slot * HD
+        vc_row = VCache + slot * HD
+        for c in tl.static_range(NUM_CHUNKS):
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < HD
+            k = tl.load(k_row + offs, mask=mask)
+            v = tl.load(v_row + offs, mask=mask)
+            tl.store(kc_row + offs, k, mask=mask)
+            tl.store(vc_row + offs, v, mask=mask)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _check_rows(name: str, t: torch.Tensor, hkv: int, d: int) -> None:
+    assert t.dim() == 3 and t.shape[1:] == (hkv, d), f"{name} must be [T, {hkv}, {d}], got {tuple(t.shape)}"
+    assert t.stride(2) == 1 and (hkv == 1 or t.stride(1) == d), (
+        f"{name} must have a contiguous last dim and dense heads, got strides {t.stride()}"
+    )
+
+
+def kv_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    *,
+    pdl: bool = False,
+) -> None:
+    """Write ``k[t]`` / ``v[t]`` (all kv heads) into ``k_cache[loc[t]]`` / ``v_cache[loc[t]]``.
+
+    One launch, one program per token; nothing is read back to the host. ``pdl=True`` only
+    where ``pdl_supported(device)`` said so.
+    """
+    assert k_cache.dim() == 3, f"k_cache must be [S, Hkv, D], got {tuple(k_cache.shape)}"
+    _, hkv, d = k_cache.shape
+    assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous"
+    _check_rows("k", k, hkv, d)
+    _check_rows("v", v, hkv, d)
+    T = k.shape[0]
+    assert v.shape[0] == T, f"k has {T} tokens, v has {v.shape[0]}"
+    assert loc.dim() == 1 and loc.shape[0] == T, f"loc must be [{T}], got {tuple(loc.shape)}"
+    assert loc.dtype in (torch.int32, torch.int64), f"loc must be int32 or int64, got {loc.dtype}"
+    assert k_cache.dtype in _DTYPES, f"cache dtype {k_cache.dtype} is not one of {_DTYPES}"
+    for name, t in (("k", k), ("v", v), ("v_cache", v_cache)):
+        assert t.dtype == k_cache.dtype, f"{name} is {t.dtype}, the cache is {k_cache.dtype}"
+    device = k_cache.device
+    for name, t in (("k", k), ("v", v), ("v_cache", v_cache), ("loc", loc)):
+        assert t.device == device, f"{name} is on {t.device}, k_cache on {device}"
+    if T == 0:
+        return
+    hd = hkv * d
+    block = min(_next_pow2(hd), _MAX_BLOCK)
+    num_chunks = _cdiv(hd, block)
+    # 16-byte accesses per thread: 8 fp16/bf16 (4 fp32) elements each.
+    per_thread = 16 // k_cache.element_size()
+    num_warps = max(1, min(8, block // (32 * per_thread)))
+    extra = {"launch_pdl": True} if pdl else {}
+    _kernel[(T,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        loc,
+        k.stride(0),
+        v.stride(0),
+        HD=hd,
+        BLOCK=block,
+        NUM_CHUNKS=num_chunks,
+        PDL=pdl,
+        num_warps=num_warps,
+        **extra,
+    )

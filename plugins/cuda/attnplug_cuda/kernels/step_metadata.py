@@ -1,0 +1,277 @@
+"""One launch per forward step that builds every per-step table the layers read.
+
+This is where the hoisted SWA work happens (DESIGN rule 1): the new tokens' full-pool slots
+are translated to SWA slots, and the sliding window's SWA page table is gathered, ONCE per
+step, from device tensors only (DESIGN rule 2: no host read anywhere).
+
+Outputs (``bs`` requests, ``T`` new tokens, ``q_len_b`` new tokens of request ``b``):
+
+=====================  ===================  ===============================================
+output                 shape / dtype        value
+=====================  ===================  ===============================================
+swa_out_cache_loc      [L >= T] int32       ``[:T] = full_to_swa_index_mapping[out_cache_loc]``
+                                            (negative slots wrap like torch indexing, so
+                                            -1 maps to the mapping's last entry, -1);
+                                            ``[T:] = 0`` (graph buffers are longer)
+cu_q_lens              [bs + 1] int32       exclusive prefix sum of ``q_len_b``
+window_start           [bs] int32           ``max(0, seq_len - q_len_b - W + 1)``; 0 when
+                                            there is no window
+token_pos              [>= T] int32         ``[cu_q_lens[b] + i] = seq_len_b - q_len_b + i``
+                                            (its causal KV length is ``token_pos + 1``)
+swa_window_table       [>= bs, width] int32 ``[b, c] = mapping[req_to_token[req_pool_indices[b],
+                                            window_start[b] + c]]`` where
+                                            ``window_start[b] + c < seq_len_b``, else 0;
+                                            ``width >= max q_len + W - 1`` (caller's bound)
+=====================  ===================  ===============================================
+
+Inputs: ``req_pool_indices`` [bs] int32/int64, ``seq_lens`` [bs] int32/int64 (KV length
+INCLUDING the new tokens), ``extend_lens``: a host int (uniform modes: 1 for decode,
+``num_draft_tokens`` for TARGET_VERIFY / DRAFT_EXTEND) or the [bs] int32/int64
+``extend_seq_lens`` tensor (EXTEND), ``out_cache_loc`` [T] int64, ``full_to_swa_index_mapping``
+[M] int32, ``req_to_token`` [R, C] int32.
+
+Grid: ONE launch, 1-D, programs split by role; no program depends on another's output:
+
+* programs ``[0, NB_LOC)``: ``BLOCK_T`` entries each of ``swa_out_cache_loc`` (translation
+  and tail zeroing); program 0 also writes ``cu_q_lens[0] = 0``;
+* programs ``[NB_LOC, NB_LOC + bs * NCHUNK)``: request ``b``, window-table chunk ``c`` of
+  ``BLOCK_W`` columns. Chunk 0 also writes ``cu_q_lens[b + 1]``, ``window_start[b]`` and the
+  request's ``token_pos``, computing its own prefix sum of the extend lens with masked loads.
+
+PDL: ``gdc_wait`` first (``seq_lens`` and friends may have just been written by a copy),
+``gdc_launch_dependents`` after the last store.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from .interpret import ensure_interpreter_compat
+
+__all__ = ["step_metadata"]
+
+_BLOCK_T = 1024  # swa_out_cache_loc entries / token positions per program iteration
+_BLOCK_W = 1024  # window-table columns per program
+_MAX_BLOCK_BS = 1024  # extend lens summed per iteration of the prefix sum
+
+ensure_interpreter_compat()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@triton.jit
+def _kernel(
+    ReqPoolIdx,
+    SeqLens,
+    ExtLens,
+    OutCacheLoc,
+    Mapping,
+    ReqToToken,
+    SwaLoc,
+    CuQ,
+    WinStart,
+    TokenPos,
+    Table,
+    num_tokens,  # T
+    loc_len,  # L: length of the swa_out_cache_loc buffer
+    mapping_len,  # M
+    stride_r2t,
+    r2t_cols,  # C
+    stride_table,
+    width,
+    q_len_uniform,
+    window,
+    NB_LOC,
+    NCHUNK,
+    UNIFORM: tl.constexpr,
+    HAS_SWA: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_BS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if pid < NB_LOC:
+        # ---- role 1: translate out_cache_loc, zero the buffer's tail
+        if pid == 0:
+            tl.store(CuQ, 0)
+        if HAS_SWA:
+            offs = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+            live = offs < num_tokens
+            full = tl.load(OutCacheLoc + offs, mask=live, other=0)
+            full = tl.where(full < 0, full + mapping_len, full)  # torch's negative indexing
+            swa = tl.load(Mapping + full, mask=live, other=0)
+            tl.store(SwaLoc + offs, swa.to(tl.int32), mask=offs < loc_len)
+    else:
+        # ---- role 2: one request, one chunk of its window table
+        r = pid - NB_LOC
+        b = r // NCHUNK
+        c = r % NCHUNK
+        seq = tl.load(SeqLens + b).to(tl.int32)
+        if UNIFORM:
+            q_len = q_len_uniform
+        else:
+            q_len = tl.load(ExtLens + b).to(tl.int32)
+        if HAS_WINDOW:
+            ws = tl.maximum(seq - q_len - window + 1, 0)
+        else:
+            ws = seq * 0
+        if c == 0:
+            if UNIFORM:
+                start = b * q_len_uniform
+            else:
+                start = b * 0
+                for i in range(0, b, BLOCK_BS):
+                    offs_b = i + tl.arange(0, BLOCK_BS)
+                    e = tl.load(ExtLens + offs_b, mask=offs_b < b, other=0)
+                    start += tl.sum(e.to(tl.int32), axis=0)
+            tl.store(CuQ + b + 1, start + q_len)
+            tl.store(WinStart + b, ws)
+            for i in range(0, q_len, BLOCK_T):
+                offs_q = i + tl.arange(0, BLOCK_T)
+                tl.store(TokenPos + start + offs_q, seq - q_len + offs_q, mask=offs_q < q_len)
+        if HAS_TABLE:
+            row = tl.load(ReqPoolIdx + b).to(tl.int64)
+            cols = c * BLOCK_W + tl.arange(0, BLOCK_W)
+            pos = ws + cols
+            valid = (pos < seq) & (pos < r2t_cols) & (cols < width)
+            f_slot = tl.load(ReqToToken + row * stride_r2t + pos, mask=valid, other=0)
+            f_slot = tl.where(f_slot < 0, f_slot + mapping_len, f_slot)
+            s_slot = tl.load(Mapping + f_slot, mask=valid, other=0)
+            s_slot = tl.where(valid, s_slot, 0)
+            tl.store(Table + b.to(tl.int64) * stride_table + cols, s_slot.to(tl.int32), mask=cols < width)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _check_1d(name: str, t: torch.Tensor, min_len: int, dtypes, device: torch.device) -> None:
+    assert isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}"
+    assert t.dim() == 1 and t.shape[0] >= min_len, f"{name} must be 1-D with >= {min_len} entries, got {tuple(t.shape)}"
+    assert t.dtype in dtypes, f"{name} must be one of {dtypes}, got {t.dtype}"
+    assert t.stride(0) == 1 or t.shape[0] <= 1, f"{name} must be contiguous, got stride {t.stride()}"
+    assert t.device == device, f"{name} is on {t.device}, expected {device}"
+
+
+def step_metadata(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: Union[int, torch.Tensor],
+    out_cache_loc: torch.Tensor,
+    *,
+    cu_q_lens: torch.Tensor,
+    window_start: torch.Tensor,
+    token_pos: torch.Tensor,
+    full_to_swa_index_mapping: Optional[torch.Tensor] = None,
+    swa_out_cache_loc: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    swa_window_table: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    pdl: bool = False,
+) -> None:
+    """Fill the step's metadata buffers in ONE launch (see the module docstring).
+
+    ``bs = req_pool_indices.shape[0]`` and ``T = out_cache_loc.shape[0]`` are host ints taken
+    from shapes; no device value is read on the host. ``swa_out_cache_loc`` (with the
+    mapping) is optional for pools without SWA layers; ``swa_window_table`` (with the mapping
+    and ``req_to_token``) only when ``window`` is given. Rows of the table past ``bs`` and
+    entries of ``token_pos`` past ``T`` are left untouched.
+    """
+    idx = (torch.int32, torch.int64)
+    device = seq_lens.device
+    bs = req_pool_indices.shape[0]
+    _check_1d("req_pool_indices", req_pool_indices, bs, idx, device)
+    _check_1d("seq_lens", seq_lens, bs, idx, device)
+    assert seq_lens.shape[0] == bs, f"seq_lens has {seq_lens.shape[0]} entries, req_pool_indices {bs}"
+    _check_1d("out_cache_loc", out_cache_loc, 0, (torch.int64,), device)
+    T = out_cache_loc.shape[0]
+    uniform = not isinstance(extend_lens, torch.Tensor)
+    if uniform:
+        assert isinstance(extend_lens, int) and extend_lens >= 1, f"extend_lens must be an int >= 1, got {extend_lens!r}"
+        assert T == bs * extend_lens, f"{bs} requests x q_len {extend_lens} != {T} tokens"
+        ext_arg, q_uniform = seq_lens, int(extend_lens)  # ExtLens unused when UNIFORM
+    else:
+        _check_1d("extend_lens", extend_lens, bs, idx, device)
+        assert extend_lens.shape[0] == bs, f"extend_lens has {extend_lens.shape[0]} entries, expected {bs}"
+        ext_arg, q_uniform = extend_lens, 1
+    _check_1d("cu_q_lens", cu_q_lens, bs + 1, (torch.int32,), device)
+    _check_1d("window_start", window_start, bs, (torch.int32,), device)
+    _check_1d("token_pos", token_pos, T, (torch.int32,), device)
+    if window is not None:
+        assert isinstance(window, int) and window >= 1, f"window must be None or an int >= 1, got {window!r}"
+
+    has_swa = swa_out_cache_loc is not None
+    has_table = swa_window_table is not None
+    if has_swa or has_table:
+        assert full_to_swa_index_mapping is not None, "the SWA outputs need full_to_swa_index_mapping"
+        _check_1d("full_to_swa_index_mapping", full_to_swa_index_mapping, 1, (torch.int32,), device)
+    if has_swa:
+        _check_1d("swa_out_cache_loc", swa_out_cache_loc, T, (torch.int32,), device)
+    if has_table:
+        assert window is not None, "swa_window_table needs a window"
+        assert req_to_token is not None, "swa_window_table needs req_to_token"
+        assert req_to_token.dim() == 2 and req_to_token.stride(1) == 1 and req_to_token.dtype == torch.int32, (
+            f"req_to_token must be [R, C] int32 with contiguous rows, got {tuple(req_to_token.shape)} {req_to_token.dtype}"
+        )
+        assert req_to_token.device == device, f"req_to_token is on {req_to_token.device}, expected {device}"
+        t = swa_window_table
+        assert t.dim() == 2 and t.shape[0] >= bs and t.dtype == torch.int32 and (t.stride(1) == 1 or t.shape[1] <= 1), (
+            f"swa_window_table must be [>= {bs}, width] int32 with contiguous rows, got {tuple(t.shape)} {t.dtype}"
+        )
+        assert t.device == device, f"swa_window_table is on {t.device}, expected {device}"
+
+    mapping = full_to_swa_index_mapping if full_to_swa_index_mapping is not None else cu_q_lens
+    loc_len = swa_out_cache_loc.shape[0] if has_swa else 0
+    nb_loc = max(1, _cdiv(loc_len, _BLOCK_T))
+    width = swa_window_table.shape[1] if has_table else 0
+    nchunk = max(1, _cdiv(width, _BLOCK_W)) if has_table else 1
+    r2t = req_to_token if has_table else cu_q_lens
+    grid = (nb_loc + bs * nchunk,)
+    extra = {"launch_pdl": True} if pdl else {}
+    _kernel[grid](
+        req_pool_indices,
+        seq_lens,
+        ext_arg,
+        out_cache_loc,
+        mapping,
+        r2t,
+        swa_out_cache_loc if has_swa else cu_q_lens,
+        cu_q_lens,
+        window_start,
+        token_pos,
+        swa_window_table if has_table else cu_q_lens,
+        T,
+        loc_len,
+        mapping.shape[0],
+        r2t.stride(0) if has_table else 0,
+        r2t.shape[1] if has_table else 0,
+        swa_window_table.stride(0) if has_table else 0,
+        width,
+        q_uniform,
+        window if window is not None else 0,
+        nb_loc,
+        nchunk,
+        UNIFORM=uniform,
+        HAS_SWA=has_swa,
+        HAS_WINDOW=window is not None,
+        HAS_TABLE=has_table,
+        BLOCK_T=_BLOCK_T,
+        BLOCK_W=_BLOCK_W,
+        BLOCK_BS=min(_next_pow2(max(bs, 1)), _MAX_BLOCK_BS),
+        PDL=pdl,
+        num_warps=4,
+        **extra,
+    )
