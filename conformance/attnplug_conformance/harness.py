@@ -7,6 +7,11 @@ eagerly or through a ``GraphRunner``, evicts out-of-window SWA slots between ste
 requests when they finish. Each request keeps its token history (k, v per layer, on the host)
 so that any result can be recomputed densely.
 
+The conformance suite adds a few instruments on top: a reference backend over the SAME pool
+(``World.reference_backend``, to set up a prefix identically in twin worlds), KV snapshots
+(``snapshot_kv`` / ``restore_kv``) and the host view of which slots are live
+(``live_full_slots`` / ``live_swa_slots`` / ``free_swa_slots``).
+
 Device-neutral: the device is a ``torch.device`` given by the caller.
 """
 
@@ -19,6 +24,7 @@ import torch
 
 from attnplug import (
     AttentionBackend,
+    decide_needs_cpu_seq_lens,
     ForwardBatch,
     ForwardMode,
     GraphRunner,
@@ -27,7 +33,10 @@ from attnplug import (
     SWATokenAllocator,
 )
 
-__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step"]
+__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step", "KVSnapshot", "concrete_device"]
+
+#: per layer ``(k, v)`` clones of the KV buffers
+KVSnapshot = List[Tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -88,12 +97,26 @@ def layer_step(backend: AttentionBackend, num_layers: int):
     return step
 
 
+def concrete_device(device) -> torch.device:
+    """``device`` with its index filled in (``"xyz"`` -> ``xyz:0``, the current one), as
+    tensors report it, so that device comparisons between a pool and its tensors hold."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        try:
+            return torch.empty(0, device=device).device
+        except Exception:  # unknown to this torch: let the pool raise its own error
+            return device
+    return device
+
+
 class World:
     """One pool + allocator + request table + backend (see module docstring)."""
 
-    def __init__(self, spec: WorldSpec, backend_cls: Type[AttentionBackend], device, *, seed: int = 0):
+    def __init__(self, spec: WorldSpec, backend_cls: Type[AttentionBackend], device, *, seed: int = 0,
+                 keep_history: bool = True):
         self.spec = spec
-        self.device = torch.device(device)
+        self.keep_history = keep_history  # False: lengths only (long runs that never recompute densely)
+        self.device = concrete_device(device)
         self.pool = SWAKVPool(
             spec.size,
             spec.size_swa,
@@ -108,9 +131,24 @@ class World:
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, self.device)
         self.backend = backend_cls(self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window)
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: List[Request] = []
         self.step_fn = layer_step(self.backend, spec.num_layers)
+        self._reference: Optional[AttentionBackend] = None
+
+    @property
+    def reference_backend(self) -> AttentionBackend:
+        """A ``ReferenceBackend`` over this world's pool and request table (built once).
+        Steps run with it write the same KV as in a reference-only twin world, so a prefix
+        can be set up identically whatever backend is under test."""
+        if self._reference is None:
+            from attnplug.backends.reference import ReferenceBackend
+
+            self._reference = ReferenceBackend(
+                self.pool, self.rows, num_heads=self.spec.num_heads, sliding_window=self.spec.sliding_window
+            )
+        return self._reference
 
     # ------------------------------------------------------------------ requests
     def new_request(self) -> Request:
@@ -159,17 +197,22 @@ class World:
         last = [int(self.rows.req_to_token[r.row, r.seq_len - 1]) if r.seq_len else -1 for r in reqs]
         return self.alloc.alloc_extend(prefix, seq, last)
 
-    def plan(self, mode: ForwardMode, reqs: Sequence[Request], new_tokens=None, *, num_draft_tokens=None) -> Step:
+    def plan(self, mode: ForwardMode, reqs: Sequence[Request], new_tokens=None, *, num_draft_tokens=None,
+             seq_lens_cpu: Optional[bool] = None) -> Step:
         """Allocate slots for the next tokens of ``reqs`` and describe the step.
 
         ``new_tokens``: per-request counts for EXTEND (an int applies to all); DECODE uses 1,
-        TARGET_VERIFY / DRAFT_EXTEND use ``num_draft_tokens``.
+        TARGET_VERIFY / DRAFT_EXTEND use ``num_draft_tokens``. ``seq_lens_cpu``: whether the
+        batch carries the host mirror of ``seq_lens``; default: only when the backend declares
+        ``needs_cpu_seq_lens`` (what an engine does through ``decide_needs_cpu_seq_lens``).
         """
-        spec, dev = self.spec, self.device
+        if seq_lens_cpu is None:
+            seq_lens_cpu = decide_needs_cpu_seq_lens([self.backend])
+        dev = self.device
         reqs = list(reqs)
         if mode is ForwardMode.IDLE:
             empty = torch.zeros(0, dtype=torch.int64, device=dev)
-            batch = ForwardBatch(mode, 0, empty, empty, empty, positions=empty)
+            batch = ForwardBatch(mode, 0, empty, empty, empty, positions=empty, seq_lens_cpu=[] if seq_lens_cpu else None)
             return Step(batch, self._inputs(0), [], [])
         if mode is ForwardMode.DECODE:
             new = [1] * len(reqs)
@@ -192,7 +235,7 @@ class World:
             seq_lens=torch.tensor(seq_after, dtype=torch.int64).to(dev),
             out_cache_loc=locs.to(dev),
             positions=torch.tensor(positions, dtype=torch.int64).to(dev),
-            seq_lens_cpu=None,
+            seq_lens_cpu=list(seq_after) if seq_lens_cpu else None,
             extend_seq_lens=torch.tensor(new, dtype=torch.int64).to(dev) if mode is ForwardMode.EXTEND else None,
             extend_seq_lens_cpu=new if mode is ForwardMode.EXTEND else None,
             num_draft_tokens=num_draft_tokens if mode.is_speculative else None,
@@ -218,6 +261,10 @@ class World:
 
     def commit(self, step: Step) -> None:
         """Record the step's tokens in each request's history and length."""
+        if not self.keep_history:
+            for r, n in zip(step.requests, step.new_tokens):
+                r.seq_len += n
+            return
         offset = 0
         k_all = step.inputs["k"].detach().to("cpu", torch.float64)
         v_all = step.inputs["v"].detach().to("cpu", torch.float64)
@@ -229,11 +276,64 @@ class World:
             r.seq_len += n
             offset += n
 
-    def run_eager(self, step: Step) -> torch.Tensor:
-        self.backend.init_forward_metadata(step.batch)
-        return self.step_fn(step.batch, step.inputs)
+    def run_eager(self, step: Step, backend: Optional[AttentionBackend] = None) -> torch.Tensor:
+        """Run ``step`` eagerly: one metadata call, then every layer. ``backend`` defaults to
+        the world's backend (``self.reference_backend`` sets up a prefix identically)."""
+        backend = backend if backend is not None else self.backend
+        backend.init_forward_metadata(step.batch)
+        if backend is self.backend:
+            return self.step_fn(step.batch, step.inputs)
+        return layer_step(backend, self.spec.num_layers)(step.batch, step.inputs)
 
-    def graph_runner(self, *, max_bs: int, num_draft_tokens: Optional[int] = None, bucket_sizes=None, modes=None) -> GraphRunner:
+    def advance(self, step: Step) -> None:
+        """After a step ran: record its tokens (``commit``) and evict what left the window."""
+        self.commit(step)
+        for req in step.requests:
+            self.evict(req)
+
+    def prefill(self, lengths: Sequence[int], *, backend: Optional[AttentionBackend] = None) -> List[Request]:
+        """New requests with prompts of ``lengths`` tokens, run as one EXTEND step (by
+        ``backend``, default the world's), committed and evicted."""
+        reqs = [self.new_request() for _ in lengths]
+        step = self.plan(ForwardMode.EXTEND, reqs, list(lengths))
+        self.run_eager(step, backend)
+        self.advance(step)
+        return reqs
+
+    # ------------------------------------------------------------------ KV instruments
+    def snapshot_kv(self) -> KVSnapshot:
+        """Clones of every layer's ``(k, v)`` buffers."""
+        return [(k.clone(), v.clone()) for k, v in (self.pool.get_kv_buffer(l) for l in range(self.spec.num_layers))]
+
+    def restore_kv(self, snapshot: KVSnapshot) -> None:
+        """Write a ``snapshot_kv()`` back into the KV buffers (in place)."""
+        for layer, (k, v) in enumerate(snapshot):
+            kb, vb = self.pool.get_kv_buffer(layer)
+            kb.copy_(k)
+            vb.copy_(v)
+
+    def live_full_slots(self) -> torch.Tensor:
+        """Host int64: full slots holding a committed token of a live request."""
+        parts = [self.rows.req_to_token[r.row, : r.seq_len].to("cpu", torch.int64) for r in self.requests]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def live_swa_slots(self) -> torch.Tensor:
+        """Host int64: SWA slots currently mapped from some full slot (allocated, not evicted)."""
+        mapping = self.pool.full_to_swa_index_mapping[:-1].to("cpu", torch.int64)
+        return torch.unique(mapping[mapping > 0])
+
+    def free_swa_slots(self) -> torch.Tensor:
+        """Host int64: SWA slots no full slot maps to (never page 0, the padding sink)."""
+        ps = self.spec.page_size
+        used = torch.zeros(self.spec.size_swa + ps, dtype=torch.bool)
+        used[:ps] = True
+        used[self.live_swa_slots()] = True
+        return torch.nonzero(~used).flatten()
+
+    def graph_runner(self, *, max_bs: int, num_draft_tokens: Optional[int] = None, bucket_sizes=None, modes=None,
+                     capture: bool = True) -> GraphRunner:
+        """A ``GraphRunner`` over this world's backend (its constructor calls
+        ``init_cuda_graph_state``), captured unless ``capture=False``."""
         runner = GraphRunner(
             self.backend,
             self.step_fn,
@@ -243,5 +343,6 @@ class World:
             bucket_sizes=bucket_sizes,
             modes=modes,
         )
-        runner.capture()
+        if capture:
+            runner.capture()
         return runner

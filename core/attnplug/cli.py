@@ -6,6 +6,8 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
 
 * ``attnplug info [--json]``: every registered backend (availability and reason, device,
   ``needs_cpu_seq_lens``, PDL, graph support) and every plugin load error.
+* ``attnplug conformance [--backend NAME ...] [--report PATH] [-k EXPR] [--junitxml PATH]``: the
+  conformance suite (``attnplug_conformance.runner``), a check x backend matrix, a JSON report.
 * ``attnplug --version``.
 """
 
@@ -142,9 +144,37 @@ def _add_info(subparsers) -> None:
     parser.set_defaults(func=_run_info)
 
 
+# ---------------------------------------------------------------------------- conformance
+def _run_conformance(args: argparse.Namespace) -> int:
+    # The suite (pytest, the checks) is imported only when this subcommand runs.
+    from attnplug_conformance.runner import run_conformance
+
+    return run_conformance(backends=args.backends or None, report=args.report, keyword=args.keyword,
+                           junitxml=args.junitxml, device=args.device)
+
+
+def _add_conformance(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "conformance",
+        help="run the conformance suite against the available backends",
+        description="Run the shared conformance suite (docs/conformance.md) once per backend, print a "
+                    "check x backend matrix and optionally write a JSON report. Default: every available "
+                    "backend. Exit code 1 when a check fails, 2 for an unknown or unavailable backend.",
+    )
+    parser.add_argument("--backend", action="append", dest="backends", metavar="NAME",
+                        help="backend to test (registry name, or module:Class); repeatable")
+    parser.add_argument("--report", metavar="PATH", help="write the JSON report to PATH")
+    parser.add_argument("-k", dest="keyword", metavar="EXPR", help="only run checks matching EXPR (pytest -k)")
+    parser.add_argument("--junitxml", metavar="PATH",
+                        help="write JUnit XML to PATH (PATH-<backend>.xml per backend when several run)")
+    parser.add_argument("--device", metavar="DEVICE",
+                        help="torch device for every backend under test (default: from its registry probe)")
+    parser.set_defaults(func=_run_conformance)
+
+
 # ---------------------------------------------------------------------------- entry point
 #: functions that add one subcommand each to the ``attnplug`` parser
-SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info]
+SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance]
 
 
 def _version_text() -> str:

@@ -43,6 +43,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=self.device)
+        self.device = self.req_to_token.device  # concrete ("cuda" becomes "cuda:0")
         # Popped from the end: the lowest row is handed out first.
         self._free_rows: List[int] = list(range(max_reqs - 1, 0, -1))
         self._in_use: List[bool] = [False] * max_reqs

@@ -84,6 +84,9 @@ class SWAKVPool:
 
         self.full_to_swa_index_mapping = torch.zeros(size + page_size + 1, dtype=torch.int32, device=self.device)
         self.full_to_swa_index_mapping[-1] = -1
+        # The concrete device the tensors live on ("cuda" becomes "cuda:0"), so that device
+        # comparisons between the pools and with tensors are exact.
+        self.device = self.full_to_swa_index_mapping.device
 
     # ------------------------------------------------------------------ layers
     def is_swa_layer(self, layer_id: int) -> bool:

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .interpret import ensure_interpreter_compat
+from .relaunch import Relaunch
 
 __all__ = ["step_metadata"]
 
@@ -181,8 +182,9 @@ def step_metadata(
     swa_window_table: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     pdl: bool = False,
-) -> None:
-    """Fill the step's metadata buffers in ONE launch (see the module docstring).
+) -> Relaunch:
+    """Fill the step's metadata buffers in ONE launch (see the module docstring) and return
+    a ``Relaunch`` that repeats exactly this launch cheaply (graph replay: same buffers).
 
     ``bs = req_pool_indices.shape[0]`` and ``T = out_cache_loc.shape[0]`` are host ints taken
     from shapes; no device value is read on the host. ``swa_out_cache_loc`` (with the
@@ -241,7 +243,7 @@ def step_metadata(
     r2t = req_to_token if has_table else cu_q_lens
     grid = (nb_loc + bs * nchunk,)
     extra = {"launch_pdl": True} if pdl else {}
-    _kernel[grid](
+    args = (
         req_pool_indices,
         seq_lens,
         ext_arg,
@@ -264,6 +266,8 @@ def step_metadata(
         window if window is not None else 0,
         nb_loc,
         nchunk,
+    )
+    meta = dict(
         UNIFORM=uniform,
         HAS_SWA=has_swa,
         HAS_WINDOW=window is not None,
@@ -275,3 +279,4 @@ def step_metadata(
         num_warps=4,
         **extra,
     )
+    return Relaunch(_kernel, grid, args, meta)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The H200 proof run, in two stages that each fit the device machine's 10-minute command limit:
+#   bash benchmarks/h200.sh check   # install, conformance on cuda, PDL proof, compute-sanitizer
+#   bash benchmarks/h200.sh bench   # benchmarks (benchmarks/run_h200.py)
+# Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
+set -u
+stage="${1:-check}"
+out="${OUT:-h200-out}"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 COLUMNS=150 ATTNPLUG_CACHE_DIR="${ATTNPLUG_CACHE_DIR:-/tmp/attnplug-cache}"
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
+summary=()
+run() {  # run NAME TIMEOUT CMD...: log to $out/NAME.log, remember the exit status
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-12s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+}
+if [ "$stage" = check ]; then
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/env.log" 2>&1
+  python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
+  attnplug info >>"$out/env.log" 2>&1
+  run conformance 170 attnplug conformance --backend cuda --report "$out/conformance.json"
+  run pdl_proof 200 python3 benchmarks/pdl_proof.py --steps 1000 --json "$out/pdl_proof.json"
+  run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
+  run racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
+  cat "$out/env.log"
+  grep -E "^│|passed|failed|PASSED|FAILED|error" "$out/conformance.log" | tail -25
+  tail -4 "$out/pdl_proof.log"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels ran|Error" "$out/memcheck.log" "$out/racecheck.log" | tail -6
+else
+  run bench 330 python3 benchmarks/run_h200.py --json "$out/bench_h200.json" --budget-s 320 --flex-budget-s 60
+  tail -60 "$out/bench.log"
+fi
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,101 @@
+"""check_kv_written_only_at_step_slots — the KV of a step goes to its slots and nowhere else.
+
+``forward`` stores k/v at ``out_cache_loc`` on full layers and at the hoisted
+``translate(out_cache_loc)`` on SWA layers, and writes no other row. Every row of every
+layer that holds no live token is first filled with random values; after one step (eager,
+or replayed with padding) exactly the step's rows changed, and they hold the step's k and v
+bit for bit. In a padded replay the padded tokens may write slot 0 (the padding sink) and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnplug import ForwardMode
+
+from attnplug_conformance.support import (
+    KV_SLOTS,
+    PREFIX,
+    base_config,
+    changed_rows,
+    conformance_check,
+    layer_kind,
+    new_tokens_of,
+    require_graph_mode,
+)
+
+__all__ = ["check_kv_written_only_at_step_slots"]
+
+CASES = [
+    ("eager", ForwardMode.EXTEND),
+    ("eager", ForwardMode.DECODE),
+    ("eager", ForwardMode.TARGET_VERIFY),
+    ("replay_padded", ForwardMode.DECODE),
+    ("replay_padded", ForwardMode.TARGET_VERIFY),
+]
+_N = 3
+
+
+def _show(rows) -> str:
+    rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+    return f"{rows[:8]}" + (f" (+{len(rows) - 8} more)" if len(rows) > 8 else "")
+
+
+@conformance_check
+@pytest.mark.parametrize("path,mode", CASES, ids=[f"{p}-{m.name}" for p, m in CASES])
+def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnplug_world):
+    """Only the step's rows change, and they hold the step's k/v."""
+    caps = attnplug_capabilities
+    if path != "eager":
+        require_graph_mode(caps, mode)
+    cfg = base_config(caps)
+    world = attnplug_world(cfg.spec(), 51)
+    pool = world.pool
+    reqs = world.prefill(PREFIX[:_N], backend=world.reference_backend)
+    new, ndt = new_tokens_of(mode, _N)
+    runner = None
+    if path != "eager":
+        runner = world.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[4], modes=[mode])
+    step = world.plan(mode, reqs, new, num_draft_tokens=ndt)
+
+    # Poison every row that holds no live token (the step's rows and slot 0 included).
+    live_full = world.live_full_slots().to(pool.device)
+    live_swa = pool.translate_loc_from_full_to_swa(live_full).to(torch.int64)
+    gen = torch.Generator().manual_seed(7)
+    for layer in range(pool.num_layers):
+        kb, vb = pool.get_kv_buffer(layer)
+        keep = torch.zeros(kb.shape[0], dtype=torch.bool, device=kb.device)
+        keep[live_swa[live_swa > 0] if pool.is_swa_layer(layer) else live_full] = True
+        for buf in (kb, vb):
+            noise = torch.randn(buf.shape, generator=gen).to(buf.device, buf.dtype)
+            buf.copy_(torch.where(keep[:, None, None], buf, noise))
+    before = world.snapshot_kv()
+
+    if runner is not None:
+        runner.run(step.batch, step.inputs)
+    else:
+        world.run_eager(step)
+    world.backend.synchronize(world.device)
+
+    loc = step.batch.out_cache_loc.to(torch.int64)
+    swa_loc = pool.translate_loc_from_full_to_swa(loc).to(torch.int64)
+    padded = runner is not None and runner.bucket_for(step.batch) * (ndt or 1) > step.batch.num_tokens
+    where = f"{path.replace('_', ' ')} {mode.name} step"
+    for layer, (kb0, vb0) in enumerate(before):
+        kb, vb = pool.get_kv_buffer(layer)
+        slots = swa_loc if pool.is_swa_layer(layer) else loc
+        allowed = torch.cat([slots.cpu(), torch.zeros(1, dtype=torch.int64)]) if padded else slots.cpu()
+        changed = torch.unique(torch.cat([changed_rows(kb0, kb), changed_rows(vb0, vb)]))
+        outside = changed[~torch.isin(changed, allowed)]
+        if outside.numel():
+            sink = " (slot 0, the padding sink, is allowed in a padded replay)" if padded else ""
+            pytest.fail(f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) wrote slots {_show(outside)} "
+                        f"outside the step's slots {_show(slots)}{sink}")
+        for name, buf, given in (("k", kb, step.inputs["k"][:, layer]), ("v", vb, step.inputs["v"][:, layer])):
+            wrong = torch.nonzero((buf[slots] != given).flatten(1).any(1)).flatten().cpu()
+            if wrong.numel():
+                pytest.fail(f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) did not store the step's "
+                            f"{name} at its slots: tokens {_show(wrong)} (slots {_show(slots.cpu()[wrong])}) hold "
+                            "other values")
