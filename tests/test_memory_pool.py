@@ -140,3 +140,16 @@ def test_req_row_double_free_and_frontier_reset():
     with pytest.raises(KVSlotError, match="not in use"):
         rows.free(row)
     assert rows.alloc() == row and rows.swa_evicted_len(row) == 0
+
+
+def test_pools_report_the_concrete_device_of_their_tensors():
+    """Regression (seen on the H200): a pool built with device "cuda" and a request table built
+    with "cuda:0" are on the same device; the backend must not refuse them. "cpu:0" / "cpu"
+    reproduces the same naming difference without an accelerator."""
+    from attnplug.backends.reference import ReferenceBackend
+
+    pool = SWAKVPool(64, 32, 2, [0], 2, 16, torch.float32, "cpu:0")
+    rows = ReqToTokenPool(4, 32, "cpu")
+    assert pool.device == pool.full_to_swa_index_mapping.device
+    assert rows.device == rows.req_to_token.device
+    ReferenceBackend(pool, rows, num_heads=4, sliding_window=8)

@@ -241,6 +241,12 @@ class AttentionBackend(abc.ABC):
         return contextlib.nullcontext()
 
     @classmethod
+    def run_benchmarks(cls, *, only=None, quick: bool = False, json_path: Optional[str] = None) -> dict:
+        """Run the benchmarks this backend's plugin ships (``attnplug bench``): print a table,
+        write JSON to ``json_path``, return the results. Default: none are shipped."""
+        raise NotImplementedError(f"backend {cls.name!r} ships no benchmarks")
+
+    @classmethod
     def synchronize(cls, device: torch.device) -> None:
         """Wait for all work queued on ``device`` (default: ``torch.accelerator`` when the
         device is an accelerator, nothing for the host)."""

@@ -8,6 +8,8 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
   ``needs_cpu_seq_lens``, PDL, graph support) and every plugin load error.
 * ``attnplug conformance [--backend NAME ...] [--report PATH] [-k EXPR] [--junitxml PATH]``: the
   conformance suite (``attnplug_conformance.runner``), a check x backend matrix, a JSON report.
+* ``attnplug bench [--backend NAME] [--only NAME ...] [--quick] [--json PATH]``: the
+  benchmarks the backend's plugin ships (``AttentionBackend.run_benchmarks``).
 * ``attnplug --version``.
 """
 
@@ -172,9 +174,40 @@ def _add_conformance(subparsers) -> None:
     parser.set_defaults(func=_run_conformance)
 
 
+# ---------------------------------------------------------------------------- bench
+def _run_bench(args: argparse.Namespace) -> int:
+    from attnplug.registry import RegistryError, get_backend
+
+    try:
+        cls = get_backend(args.backend)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cls.run_benchmarks(only=args.only, quick=args.quick, json_path=args.json)
+    except (NotImplementedError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_bench(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="run the benchmarks a backend ships",
+        description="Run the benchmarks shipped by a backend's plugin (default: the selected backend) and "
+                    "print a table; results and methods are recorded in docs/benchmarks.md.",
+    )
+    parser.add_argument("--backend", metavar="NAME", help="backend whose benchmarks to run (default: get_backend())")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks")
+    parser.add_argument("--quick", action="store_true", help="a fast smoke pass: fewer sizes and iterations")
+    parser.add_argument("--json", metavar="PATH", help="write the results to PATH")
+    parser.set_defaults(func=_run_bench)
+
+
 # ---------------------------------------------------------------------------- entry point
 #: functions that add one subcommand each to the ``attnplug`` parser
-SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance]
+SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance, _add_bench]
 
 
 def _version_text() -> str:

@@ -144,6 +144,14 @@ class CudaBackend(AttentionBackend):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    @classmethod
+    def run_benchmarks(cls, *, only=None, quick: bool = False, json_path: Optional[str] = None) -> dict:
+        """KV store, step metadata, SWA decode attention and the hybrid step, each against the
+        before path (``attnplug_cuda.bench``; results in docs/benchmarks.md)."""
+        from .bench import run_benchmarks
+
+        return run_benchmarks(only, quick, json_path)
+
     # ------------------------------------------------------------------ metadata
     def _table_width(self, max_q_len: int) -> int:
         return min(self.max_context_len, self.sliding_window + max_q_len - 1)
