@@ -65,3 +65,18 @@ def test_one_metadata_launch_per_step(monkeypatch):
     step = world.plan(ForwardMode.DECODE, reqs)
     world.run_eager(step)
     assert len(launches) == 1 and not translations
+
+
+def test_whole_conformance_suite_passes_on_the_cuda_kernels():
+    """The shared suite against the cuda backend: on a GPU for real, in CI through the Triton
+    interpreter (PDL off). Runs in a subprocess so the suite's own pytest session is clean."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--attnplug-backend",
+         "attnplug_cuda.backend:CudaBackend", "--attnplug-device", DEVICE],
+        capture_output=True, text=True, timeout=1200,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and " failed" not in res.stdout

@@ -115,3 +115,15 @@ def test_allow_list_skips_the_broken_plugin(installed):
     kinds = {e["plugin"]: e["kind"] for e in data["errors"]}
     assert kinds["broken"] == "disabled" and kinds["cuda"] == "disabled"
     assert all(kind == "disabled" for kind in kinds.values())
+
+
+def test_conformance_runs_against_the_installed_plugin(installed):
+    """`attnplug conformance --backend example` and the plugin's own one-line test file."""
+    env, tmp = installed
+    out = _run(env, "conformance", "--backend", "example", "-k", "check_swa_buffer_contract or capabilities")
+    assert "example" in out and "conformance: PASSED" in out
+    plugin_dir = tmp / "src" / "third_party_plugin"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "check_swa_buffer_contract"],
+                         cwd=plugin_dir, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "check_swa_buffer_contract[example" in res.stdout and " passed" in res.stdout
