@@ -276,24 +276,26 @@ class CudaBackend(AttentionBackend):
         else:
             self._kv_store_triton(k, v, k_cache, v_cache, loc, pdl=self.pdl)
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+    def _step_tables(self, q: torch.Tensor, batch: ForwardBatch) -> _StepTables:
+        """This step's tables, after checking q against the batch (host-side only)."""
         t = self.forward_metadata
         if t is None:
             raise RuntimeError("forward() before init_forward_metadata() for this step")
         T = batch.num_tokens
         if tuple(q.shape) != (T, self.num_heads, self.head_dim):
             raise ValueError(f"q must be [{T}, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
-        is_swa = self.pool.is_swa_layer(layer_id)
-        k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
-        if save_kv_cache:
-            loc = t.swa_out_cache_loc[:T] if is_swa else batch.out_cache_loc
-            self._store(k, v, k_cache, v_cache, loc)
+        return t
+
+    def _attend(self, q, k_cache, v_cache, is_swa: bool, batch: ForwardBatch, t: _StepTables,
+                swa_window_table: Optional[torch.Tensor], pdl: bool) -> torch.Tensor:
+        """Paged attention of one layer: full layers through ``req_to_token`` rows, SWA
+        layers through the window table (only the keys the window reaches)."""
         out = torch.empty_like(q)
-        if T == 0:
+        if batch.num_tokens == 0:
             return out
         if is_swa:
-            table, rows, start = t.swa_window_table, self._table_rows, t.window_start
-            max_kv, window = t.swa_window_table.shape[1], self.sliding_window
+            table, rows, start = swa_window_table, self._table_rows, t.window_start
+            max_kv, window = swa_window_table.shape[1], self.sliding_window
         else:
             table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
             max_kv, window = self.max_context_len, None
@@ -301,5 +303,14 @@ class CudaBackend(AttentionBackend):
             q, k_cache, v_cache, out,
             cu_q_lens=t.cu_q_lens, seq_lens=batch.seq_lens, table=table, table_rows=rows, table_start=start,
             max_q_len=t.max_q_len, max_kv_len=max_kv, sm_scale=self.scaling, window=window,
-            workspace=t.workspace, pdl=self.pdl,
+            workspace=t.workspace, pdl=pdl,
         )
+
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+        t = self._step_tables(q, batch)
+        is_swa = self.pool.is_swa_layer(layer_id)
+        k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
+        if save_kv_cache:
+            loc = t.swa_out_cache_loc[: batch.num_tokens] if is_swa else batch.out_cache_loc
+            self._store(k, v, k_cache, v_cache, loc)
+        return self._attend(q, k_cache, v_cache, is_swa, batch, t, t.swa_window_table, self.pdl)

@@ -89,12 +89,7 @@ class BeforeBackend(CudaBackend):
         return torch.where(valid, swa, torch.zeros_like(swa)).to(torch.int32)
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        t = self.forward_metadata
-        if t is None:
-            raise RuntimeError("forward() before init_forward_metadata() for this step")
-        T = batch.num_tokens
-        if tuple(q.shape) != (T, self.num_heads, self.head_dim):
-            raise ValueError(f"q must be [{T}, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        t = self._step_tables(q, batch)
         is_swa = self.pool.is_swa_layer(layer_id)
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
         if save_kv_cache:
@@ -104,19 +99,5 @@ class BeforeBackend(CudaBackend):
                 self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v, swa_loc=swa_loc)
             else:
                 self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
-        out = torch.empty_like(q)
-        if T == 0:
-            return out
-        if is_swa:
-            table = self._window_table(batch, t)
-            rows, start = self._table_rows, t.window_start
-            max_kv, window = table.shape[1], self.sliding_window
-        else:
-            table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
-            max_kv, window = self.max_context_len, None
-        return self._paged_attention(
-            q, k_cache, v_cache, out,
-            cu_q_lens=t.cu_q_lens, seq_lens=batch.seq_lens, table=table, table_rows=rows, table_start=start,
-            max_q_len=t.max_q_len, max_kv_len=max_kv, sm_scale=self.scaling, window=window,
-            workspace=t.workspace, pdl=False,
-        )
+        table = self._window_table(batch, t) if is_swa and batch.num_tokens else None
+        return self._attend(q, k_cache, v_cache, is_swa, batch, t, table, pdl=False)

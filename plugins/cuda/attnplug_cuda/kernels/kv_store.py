@@ -42,14 +42,6 @@ _MAX_BLOCK = 4096  # elements one program handles per chunk (Hkv * D is usually 
 ensure_interpreter_compat()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @triton.jit
 def _kernel(
     K,
@@ -124,8 +116,8 @@ def kv_store(
     if T == 0:
         return
     hd = hkv * d
-    block = min(_next_pow2(hd), _MAX_BLOCK)
-    num_chunks = _cdiv(hd, block)
+    block = min(triton.next_power_of_2(hd), _MAX_BLOCK)
+    num_chunks = triton.cdiv(hd, block)
     # 16-byte accesses per thread: 8 fp16/bf16 (4 fp32) elements each.
     per_thread = 16 // k_cache.element_size()
     num_warps = max(1, min(8, block // (32 * per_thread)))

@@ -62,14 +62,6 @@ _MAX_BLOCK_BS = 1024  # extend lens summed per iteration of the prefix sum
 ensure_interpreter_compat()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @triton.jit
 def _kernel(
     ReqPoolIdx,
@@ -237,9 +229,9 @@ def step_metadata(
 
     mapping = full_to_swa_index_mapping if full_to_swa_index_mapping is not None else cu_q_lens
     loc_len = swa_out_cache_loc.shape[0] if has_swa else 0
-    nb_loc = max(1, _cdiv(loc_len, _BLOCK_T))
+    nb_loc = max(1, triton.cdiv(loc_len, _BLOCK_T))
     width = swa_window_table.shape[1] if has_table else 0
-    nchunk = max(1, _cdiv(width, _BLOCK_W)) if has_table else 1
+    nchunk = max(1, triton.cdiv(width, _BLOCK_W)) if has_table else 1
     r2t = req_to_token if has_table else cu_q_lens
     grid = (nb_loc + bs * nchunk,)
     extra = {"launch_pdl": True} if pdl else {}
@@ -274,7 +266,7 @@ def step_metadata(
         HAS_TABLE=has_table,
         BLOCK_T=_BLOCK_T,
         BLOCK_W=_BLOCK_W,
-        BLOCK_BS=min(_next_pow2(max(bs, 1)), _MAX_BLOCK_BS),
+        BLOCK_BS=min(triton.next_power_of_2(max(bs, 1)), _MAX_BLOCK_BS),
         PDL=pdl,
         num_warps=4,
         **extra,
