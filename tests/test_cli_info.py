@@ -150,3 +150,15 @@ def test_info_json_subprocess_with_the_project_entry_points(tmp_path):
     flaky = [e for e in data["errors"] if e["plugin"] == "flaky"]
     assert len(flaky) == 1 and flaky[0]["kind"] == "import" and "libflaky.so missing" in flaky[0]["reason"]
     assert flaky[0]["distribution"] == "attnplug-flaky" and flaky[0]["version"] == "0.0.1"
+
+
+def test_info_shows_what_describe_adds_beyond_the_columns(capsys):
+    """e.g. why the cuda backend stores KV with Triton rather than the C++ kernel."""
+    from attnplug import cli
+
+    row = {"name": "dev", "distribution": "d", "version": "1", "priority": 1, "available": True, "device": "x",
+           "needs_cpu_seq_lens": False, "pdl": True, "graphs": "UNIFORM", "reason": "ok",
+           "capabilities": {"pdl": True, "graphs": "UNIFORM", "kv_store_reason": "C++ store unavailable: no nvcc"}}
+    cli._print_info({"attnplug_version": "0", "plugin_api_version": "1.0", "default_backend": "dev",
+                     "default_error": None, "environment": {}, "errors": [], "backends": [row]})
+    assert "dev: kv_store_reason: C++ store unavailable: no nvcc" in capsys.readouterr().out

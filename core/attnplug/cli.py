@@ -105,6 +105,11 @@ def _print_info(data: Dict[str, Any]) -> None:
             Text(row["reason"]),
         )
     console.print(table)
+    for row in data["backends"]:  # what a backend's describe() says beyond the table's columns
+        extra = {k: v for k, v in (row.get("capabilities") or {}).items()
+                 if k not in ("pdl", "graphs", "needs_cpu_seq_lens")} if row["available"] else {}
+        for key, value in extra.items():
+            console.print(Text(f"{row['name']}: {key}: {value}"))
     if data["default_backend"]:
         console.print(Text(f"* default: get_backend() returns {data['default_backend']!r}"))
     else:
