@@ -12,7 +12,7 @@ from .common import Ctx
 from .timing import Deadline
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m attnplug_cuda.bench", description=__doc__)
     p.add_argument("--child", choices=list(BENCHMARKS), help=argparse.SUPPRESS)
     p.add_argument("--rows-out", help=argparse.SUPPRESS)
@@ -23,7 +23,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget of the run")
     p.add_argument("--flex-budget-s", type=float, default=150.0, help="budget of the flex_attention compile + timing")
     p.add_argument("--no-isolate", action="store_true", help="run every benchmark in this process")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.child:
         ctx = Ctx(quick=args.quick, deadline=Deadline(args.budget_s), skip_cpp=args.skip_cpp,
                   flex_budget_s=args.flex_budget_s, rows_out=args.rows_out)
