@@ -33,7 +33,7 @@ from attnplug import (
     SWATokenAllocator,
 )
 
-__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step", "KVSnapshot", "concrete_device"]
+__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step", "KVSnapshot"]
 
 #: per layer ``(k, v)`` clones of the KV buffers
 KVSnapshot = List[Tuple[torch.Tensor, torch.Tensor]]
@@ -97,18 +97,6 @@ def layer_step(backend: AttentionBackend, num_layers: int):
     return step
 
 
-def concrete_device(device) -> torch.device:
-    """``device`` with its index filled in (``"xyz"`` -> ``xyz:0``, the current one), as
-    tensors report it, so that device comparisons between a pool and its tensors hold."""
-    device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
-        try:
-            return torch.empty(0, device=device).device
-        except Exception:  # unknown to this torch: let the pool raise its own error
-            return device
-    return device
-
-
 class World:
     """One pool + allocator + request table + backend (see module docstring)."""
 
@@ -116,7 +104,6 @@ class World:
                  keep_history: bool = True):
         self.spec = spec
         self.keep_history = keep_history  # False: lengths only (long runs that never recompute densely)
-        self.device = concrete_device(device)
         self.pool = SWAKVPool(
             spec.size,
             spec.size_swa,
@@ -125,9 +112,10 @@ class World:
             spec.num_kv_heads,
             spec.head_dim,
             spec.dtype,
-            self.device,
+            device,
             page_size=spec.page_size,
         )
+        self.device = self.pool.device  # concrete ("cuda" -> "cuda:0"), as the pool reports it
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, self.device)
         self.backend = backend_cls(self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window)

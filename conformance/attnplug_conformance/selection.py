@@ -19,7 +19,6 @@ import torch
 
 from attnplug import AttentionBackend
 
-from .harness import concrete_device
 
 __all__ = ["ResolvedBackend", "SelectionError", "resolve_backend", "device_from_text"]
 
@@ -67,6 +66,18 @@ def _import_class(spec: str) -> Type[AttentionBackend]:
         missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
         raise SelectionError(f"{spec!r} is abstract (does not implement: {missing})")
     return obj
+
+
+def concrete_device(device) -> torch.device:
+    """``device`` with its index filled in (``"xyz"`` -> ``xyz:0``, the current one), as
+    tensors report it: the device the suite's pools will live on, named as in the report."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        try:
+            return torch.empty(0, device=device).device
+        except Exception:  # unknown to this torch: let the pool raise its own error
+            return device
+    return device
 
 
 def resolve_backend(spec: str, device=None) -> ResolvedBackend:
