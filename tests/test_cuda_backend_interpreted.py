@@ -80,3 +80,12 @@ def test_whole_conformance_suite_passes_on_the_cuda_kernels():
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout
+
+
+def test_window_table_rows_cover_padded_buckets_larger_than_the_request_table():
+    """A graph bucket may hold more (padded) requests than the request table has rows; the
+    SWA layers index the window table by request, so every padded request needs a row."""
+    world = World(SPEC, CudaBackend, DEVICE, seed=2)  # max_reqs = 6
+    world.backend.init_cuda_graph_state(16, 16)
+    assert world.backend._table_rows.shape[0] >= 16
+    assert torch.equal(world.backend._table_rows[:16].cpu(), torch.arange(16, dtype=torch.int32))

@@ -97,6 +97,8 @@ class CudaBackend(AttentionBackend):
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
         self._graph_buffers: Optional[Dict[str, torch.Tensor]] = None
         self._graph_tables: Dict[Tuple[int, int], _StepTables] = {}
+        # Row b of the window table belongs to request b: rows for as many requests as a step
+        # can hold (eager: live requests; graphs: padded buckets, see init_cuda_graph_state).
         self._table_rows = torch.arange(req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ description
@@ -211,6 +213,8 @@ class CudaBackend(AttentionBackend):
         if self.has_swa:
             # Rows of any captured (bs, q_len) fit: bs * (W + q_len - 1) <= max_bs * W + max_num_tokens.
             buffers["swa_window_table"] = torch.zeros(max_bs * self.sliding_window + max_num_tokens, **i32)
+        if max_bs > self._table_rows.shape[0]:  # padded buckets may exceed the request table
+            self._table_rows = torch.arange(max_bs, dtype=torch.int32, device=dev)
         self._graph_buffers = buffers
         self._graph_tables = {}
 
