@@ -121,6 +121,12 @@ class DistTree:
         write_dist_info(self.root, dist, version, mapping)
         return modules
 
+    def module(self, source: str, prefix: str = "mod") -> str:
+        """Write a module (not an entry point) under the tree; returns its name."""
+        module = unique(prefix)
+        (self.root / f"{module}.py").write_text(source)
+        return module
+
     def entry_points(self) -> List[importlib.metadata.EntryPoint]:
         return entry_points_in(self.root)
 

@@ -162,3 +162,23 @@ def test_info_shows_what_describe_adds_beyond_the_columns(capsys):
     cli._print_info({"attnplug_version": "0", "plugin_api_version": "1.0", "default_backend": "dev",
                      "default_error": None, "environment": {}, "errors": [], "backends": [row]})
     assert "dev: kv_store_reason: C++ store unavailable: no nvcc" in capsys.readouterr().out
+
+
+def test_info_with_a_malformed_probe_time_limit_names_the_variable(fake_registry, capsys, monkeypatch):
+    monkeypatch.setenv("ATTNPLUG_PROBE_TIMEOUT", "fast")
+    assert cli.main(["info", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "ATTNPLUG_PROBE_TIMEOUT='fast': expected a positive number of seconds" in err
+    monkeypatch.setenv("ATTNPLUG_PROBE_TIMEOUT", "7")
+    assert cli.main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["environment"]["ATTNPLUG_PROBE_TIMEOUT"] == "7"
+
+
+def test_info_survives_a_selection_that_raises_something_unexpected(fake_registry, capsys, monkeypatch):
+    def broken_select(name=None):
+        raise ValueError("not a registry error")
+
+    monkeypatch.setattr(fake_registry, "select", broken_select)
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["default_backend"] is None and data["default_error"] == "ValueError: not a registry error"

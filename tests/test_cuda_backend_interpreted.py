@@ -89,3 +89,24 @@ def test_window_table_rows_cover_padded_buckets_larger_than_the_request_table():
     world.backend.init_cuda_graph_state(16, 16)
     assert world.backend._table_rows.shape[0] >= 16
     assert torch.equal(world.backend._table_rows[:16].cpu(), torch.arange(16, dtype=torch.int32))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="host tensors reach the cuda backend only in the interpreter")
+def test_extend_without_host_extend_lens_on_host_tensors():
+    """EXTEND on CPU tensors with extend_seq_lens_cpu=None (allowed: the lens are host data)
+    sizes the window table from the host tensor, not for one token: equals the reference."""
+    import dataclasses
+
+    outs = []
+    for cls in (ReferenceBackend, CudaBackend):
+        world = World(SPEC, cls, "cpu", seed=9)
+        reqs = [world.new_request() for _ in range(3)]
+        for lens in ([5, 9, 13], [7, 2, 11]):  # the second: chunked prefill over a prefix
+            step = world.plan(ForwardMode.EXTEND, reqs, lens)
+            step = dataclasses.replace(step, batch=dataclasses.replace(step.batch, extend_seq_lens_cpu=None))
+            assert step.batch.extend_seq_lens.device.type == "cpu"
+            out = world.run_eager(step)
+            world.commit(step)
+        outs.append(out.double())
+    err = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert err < 2e-3, f"relative error {err:.2e}"

@@ -218,9 +218,9 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 def _reference(k, v, k_cache, v_cache, loc):
-    """index_put oracle; slots outside [0, S) are skipped, as the kernel does."""
+    """index_put oracle; slots outside [1, S) are skipped (the sink 0 too), as the kernel does."""
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    keep = (loc >= 0) & (loc < k_cache.shape[0])
+    keep = (loc >= 1) & (loc < k_cache.shape[0])
     idx = loc[keep].long()
     ref_k.index_put_((idx,), k[keep])
     ref_v.index_put_((idx,), v[keep])
@@ -235,9 +235,9 @@ def _slots(num_tokens, num_slots, index_dtype, device, pad=2):
 
 
 def _check(k_cache, v_cache, ref_k, ref_v):
-    # slot 0 (the sink) got several padded tokens: its value is whichever came last
-    torch.testing.assert_close(k_cache[1:], ref_k[1:], rtol=0, atol=0)
-    torch.testing.assert_close(v_cache[1:], ref_v[1:], rtol=0, atol=0)
+    # slot 0 (the sink) is never written: padded tokens there are skipped
+    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -295,15 +295,22 @@ def test_strided_and_unaligned_layouts(ext, dtype):
 
 
 def test_out_of_range_slots_are_skipped(ext):
-    dev, T, H, D, S = "cuda", 6, 2, 16, 32
+    """Same rule as the Triton store: only [1, S) is written (the sink 0 and -1 are skipped)."""
+    dev, T, H, D, S = "cuda", 7, 2, 16, 32
     k = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
     k_cache = torch.zeros(S, H, D, device=dev, dtype=torch.bfloat16)
     v_cache = torch.zeros(S, H, D, device=dev, dtype=torch.bfloat16)
-    loc = torch.tensor([3, -1, S, 7, -5, S + 100], device=dev, dtype=torch.int64)
+    loc = torch.tensor([3, -1, S, 7, -5, S + 100, 0], device=dev, dtype=torch.int64)
     ext.kv_store(k, v, k_cache, v_cache, loc, True)
     touched = (k_cache.abs().sum(dim=(1, 2)) != 0).nonzero().flatten().tolist()
     assert touched == [3, 7]
+    from attnplug_cuda.kernels.kv_store import kv_store as triton_kv_store
+
+    k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    triton_kv_store(k, v, k2, v2, loc)
+    torch.testing.assert_close(k2, k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(v2, v_cache, rtol=0, atol=0)
     torch.testing.assert_close(k_cache[3], k[0], rtol=0, atol=0)
     torch.testing.assert_close(v_cache[7], v[3], rtol=0, atol=0)
 

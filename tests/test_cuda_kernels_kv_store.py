@@ -56,19 +56,19 @@ def test_writes_exactly_the_given_rows(dtype, loc_dtype, hkv, d, pdl):
     assert torch.equal(_bits(v_cache[others]), _bits(before_v[others]))
 
 
-def test_strided_inputs_padding_sink_and_negative_slots():
-    """k/v as views of a fused qkv tensor; padded tokens go to slot 0; -1 is skipped."""
+def test_strided_inputs_padding_sink_and_out_of_range_slots():
+    """k/v as views of a fused qkv tensor; only slots in [1, S) are written: the sink 0, -1
+    ("no slot") and garbage (negative, >= S) are skipped, nothing wraps."""
     S, hkv, d, H = 16, 2, 64, 4
-    qkv = torch.randn(5, H + 2 * hkv, d).to(DEVICE, torch.float16)
+    qkv = torch.randn(8, H + 2 * hkv, d).to(DEVICE, torch.float16)
     k, v = qkv[:, H : H + hkv], qkv[:, H + hkv :]
     assert not k.is_contiguous()
     k_cache = torch.full((S, hkv, d), 7.0, dtype=torch.float16, device=DEVICE)
     v_cache = k_cache.clone()
-    loc = torch.tensor([4, 0, -1, 9, 11], dtype=torch.int64, device=DEVICE)
+    loc = torch.tensor([4, 0, -1, 9, 11, S, -S, 2**40], dtype=torch.int64, device=DEVICE)
     K.kv_store(k, v, k_cache, v_cache, loc)
     assert torch.equal(k_cache[4], k[0]) and torch.equal(v_cache[9], v[3]) and torch.equal(k_cache[11], k[4])
-    assert torch.equal(k_cache[0], k[1]) and torch.equal(v_cache[0], v[1])  # the padding sink
-    untouched = [i for i in range(S) if i not in (0, 4, 9, 11)]
+    untouched = [i for i in range(S) if i not in (4, 9, 11)]  # the sink 0 and the last slot included
     assert (k_cache[untouched] == 7).all() and (v_cache[untouched] == 7).all()
 
 

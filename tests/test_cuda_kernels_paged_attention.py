@@ -251,3 +251,57 @@ def test_unmasked_interior_blocks(q_lens, seq_lens, window, splits):
     cfg = {"PHASES": True, "BLOCK_N": 16, "num_splits": splits}
     layer = "full" if window is None else "swa"
     run_case(q_lens, seq_lens, H=4, Hkv=2, D=64, window=window, layer=layer, config=cfg, seed=11)
+
+
+def _dense(q, k, v, keep, sm_scale):
+    """float64 attention of each query row over the key positions ``keep[t]`` (a list)."""
+    T, H, D = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        if keep[t]:
+            kk = k[keep[t]].double().repeat_interleave(G, dim=1)
+            vv = v[keep[t]].double().repeat_interleave(G, dim=1)
+            p = torch.softmax(torch.einsum("hd,jhd->hj", q[t].double(), kk) * sm_scale, -1)
+            out[t] = torch.einsum("hj,jhd->hd", p, vv)
+    return out
+
+
+@pytest.mark.parametrize("q_len,phases", [(1, False), (16, True)], ids=["decode", "extend-interior"])
+def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases):
+    """Table entries outside [1, S) (the sink 0, -1 "no slot", garbage >= S) inside a request's
+    range are no keys: nothing outside the cache is read, and the sink's NaN / Inf and the
+    free slots' NaN never reach an output (masked loads, not a multiplication by zero). A
+    table row outside the table reads row 0: no key, zeros."""
+    H, Hkv, D, S, seq = 4, 2, 64, 512, 200
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.full((S, Hkv, D), float("nan"), dtype=torch.float16)  # free slots: NaN
+    v_cache = torch.full((S, Hkv, D), float("nan"), dtype=torch.float16)
+    k_cache[0], v_cache[0] = float("inf"), float("nan")  # the sink
+    slots = torch.randperm(S - 1, generator=g)[:seq] + 1
+    k_cache[slots] = torch.randn(seq, Hkv, D, generator=g).half()
+    v_cache[slots] = torch.randn(seq, Hkv, D, generator=g).half()
+    table = torch.zeros(3, 256, dtype=torch.int32)
+    table[1, :seq] = slots.int()
+    holes = {10: 0, 70: -1, 90: S + 9, 120: -(2**30)}
+    for p, s in holes.items():
+        table[1, p] = s
+    table[1, seq:] = -1  # past seq_len: never read either
+    q = torch.randn(2 * q_len, H, D, generator=g).half()
+    keep = [[p for p in range(seq - q_len + i + 1) if p not in holes] for i in range(q_len)] + [[]] * q_len
+    want = _dense(q.float(), k_cache.float(), v_cache.float(),
+                  [[int(table[1, p]) for p in ks] for ks in keep], 1.0 / math.sqrt(D))
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    out = torch.full_like(to(q), float("nan"))
+    K.paged_attention(
+        to(q), to(k_cache), to(v_cache), out,
+        cu_q_lens=to(torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)),
+        seq_lens=to(torch.tensor([seq, seq], dtype=torch.int32)),
+        table=to(table), table_rows=to(torch.tensor([1, -1], dtype=torch.int64)),  # -1: outside the table
+        max_q_len=q_len, max_kv_len=256, config={"PHASES": phases},
+    )
+    got = out.cpu().double()
+    assert torch.isfinite(got).all(), "a masked column leaked NaN/Inf into an output"
+    err = (got - want).norm() / want.norm()
+    assert err <= TOL[torch.float16], f"relative error {err:.3e}"
+    assert (got[q_len:] == 0).all()  # the request whose row is outside the table reads nothing

@@ -33,16 +33,20 @@ def reference(req_pool_indices, seq_lens, q_lens, out_cache_loc, mapping, req_to
     if mapping is not None:
         m = mapping.cpu().long()
         swa = torch.zeros(loc_len, dtype=torch.int64)
-        swa[: out_cache_loc.shape[0]] = m[out_cache_loc.cpu()]  # torch indexing: -1 -> last entry
+        loc = out_cache_loc.cpu().long()
+        inside = (loc >= 0) & (loc < m.shape[0])  # outside the mapping (-1 included): no slot, -1
+        swa[: loc.shape[0]] = torch.where(inside, m[loc.clamp(0, m.shape[0] - 1)], -1)
         out["swa_out_cache_loc"] = swa
         if width is not None:
             r2t = req_to_token.cpu().long()
             table = torch.zeros(bs, width, dtype=torch.int64)
             for b in range(bs):
+                row = int(rpi[b]) if 0 <= int(rpi[b]) < r2t.shape[0] else 0  # outside the table: row 0
                 for c in range(width):
                     p = int(ws[b]) + c
                     if p < int(seq[b]):
-                        table[b, c] = m[r2t[rpi[b], p]]
+                        f = int(r2t[row, p])
+                        table[b, c] = m[f] if 0 <= f < m.shape[0] else 0
             out["swa_window_table"] = table
     return out
 
@@ -101,7 +105,7 @@ def test_decode_with_tail_and_window_table(window, pdl):
     q_lens, seq = [1] * 5, [1, 3, 9, 17, 30]
     rpi, seq_t, loc, mapping, r2t = make_step(q_lens, seq, idx_dtype=torch.int32)
     loc[1] = 5  # maps to 0 (evicted)
-    loc[3] = -1  # torch indexing: the mapping's last entry, -1
+    loc[3] = -1  # "no slot": -1
     width = (window + 0) if window is not None else None  # max q_len + W - 1 = W
     got = run_kernel(rpi, seq_t, 1, loc, mapping, r2t, 13, width, window, pdl)
     want = reference(rpi, seq_t, torch.ones(5), loc, mapping, r2t, 13, width, window)
@@ -158,3 +162,23 @@ def test_more_than_1024_requests():
     args = (rpi, seq.to(DEVICE), q.to(DEVICE), loc, mapping, None, T + 3, None, 5)
     got = run_kernel(*args, False)
     check(got, reference(*args))
+
+
+@pytest.mark.parametrize("window", [4, 64])
+def test_out_of_range_indices_never_wrap_or_read_outside(window):
+    """Garbage from the engine is read on the device only: out_cache_loc outside the mapping
+    translates to -1 (no slot), never wraps to another entry; a req_pool_indices entry
+    outside req_to_token reads row 0; a req_to_token entry outside the mapping gives 0."""
+    q_lens, seq = [1] * 5, [3, 9, 17, 30, 6]
+    rpi, seq_t, loc, mapping, r2t = make_step(q_lens, seq, seed=4)
+    M, R = mapping.shape[0], r2t.shape[0]
+    loc[0], loc[1], loc[2] = -2, M, -M  # -M would wrap to mapping[0], -2 to a live entry
+    rpi[3] = -1  # would wrap to the last row
+    rpi[4] = R + 5
+    r2t[rpi[1], 7] = -3
+    r2t[rpi[2], 14] = M + 7
+    width = window
+    got = run_kernel(rpi, seq_t, 1, loc, mapping, r2t, 8, width, window, False)
+    check(got, reference(rpi, seq_t, torch.ones(5), loc, mapping, r2t, 8, width, window))
+    assert got["swa_out_cache_loc"][:3].tolist() == [-1, -1, -1]
+    assert (got["swa_window_table"][3:] == 0).all()

@@ -299,3 +299,58 @@ def test_check_invariants_catches_corruption():
         alloc.check_invariants()
     alloc.full_to_swa_page[2] = 2
     alloc.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_rollback_of_rejected_drafts_then_continue_from_the_kept_slot(page_size):
+    """Verify with 5 drafts, 2 accepted: the 3 rejected slots go back and the partly kept page
+    is continued right after the new last slot."""
+    pool, alloc = make(page_size)
+    prompt = alloc.alloc_extend([0], [3], [-1])  # positions 0..2
+    drafts = alloc.alloc_extend([3], [8], [int(prompt[-1])])  # positions 3..7
+    before_full = alloc.full_available_size()
+    alloc.rollback(drafts[2:])  # keep positions 3, 4
+    alloc.check_invariants()
+    kept_last = int(drafts[1])
+    again = alloc.alloc_extend([5], [8], [kept_last])  # positions 5..7 again
+    if page_size > 1:
+        assert int(again[0]) == kept_last + 1  # the kept page is continued, not skipped
+    assert not set(again.tolist()) & set(prompt.tolist() + drafts[:2].tolist())
+    assert alloc.full_available_size() == before_full
+    slots = prompt.tolist() + drafts[:2].tolist() + again.tolist()
+    assert all(s % page_size == p % page_size for p, s in enumerate(slots))
+    alloc.check_invariants()
+
+
+def test_rollback_frees_pages_left_empty_and_keeps_their_neighbours():
+    ps = 4
+    pool, alloc = make(ps)
+    a = alloc.alloc_extend([0], [10], [-1])  # pages 1, 2, 3 (page 3 holds positions 8, 9)
+    full, swa = alloc.full_available_size(), alloc.swa_available_size()
+    alloc.rollback(a[6:])  # positions 6..9: tail of page 2 and all of page 3
+    assert alloc.full_available_size() == full + ps and alloc.swa_available_size() == swa + ps
+    assert translate(pool, a[:6]) == translate(pool, a[:6]) and 0 not in translate(pool, a[:6])
+    assert translate(pool, a[8:]) == [0, 0]
+    assert int(alloc.page_fill[int(a[5]) // ps]) == 2
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("pick, needle", [
+    (lambda a: a[4:6], "trailing"),  # positions 4, 5 of 4..6: not the tail of page 2
+    (lambda a: a[[4, 6]], "trailing"),  # a hole at position 5
+    (lambda a: a[0:2], "trailing"),  # the head of a full page
+    (lambda a: a[[6, 6]], "more than once"),
+    (lambda a: torch.tensor([-1]), "outside"),
+    (lambda a: torch.tensor([40]), "not allocated"),
+])
+def test_bad_rollback_raises_and_changes_nothing(pick, needle):
+    ps = 4
+    pool, alloc = make(ps)
+    a = alloc.alloc_extend([0], [7], [-1])  # positions 0..6: page 1 full, page 2 holds 4..6
+    locs = pick(a)
+    before = snapshot(alloc)
+    fill = alloc.page_fill.clone()
+    with pytest.raises(KVSlotError, match=needle):
+        alloc.rollback(locs)
+    assert_unchanged(alloc, before)
+    assert torch.equal(alloc.page_fill, fill)

@@ -37,6 +37,7 @@ from plugin_dists import (
     StandInBackend,
     plugin_source,
     reg,
+    write_dist_info,
     write_project_metadata,
 )
 
@@ -165,32 +166,40 @@ FAILURES = {
     "registers-nothing": (plugin_source([]), "invalid", "registered no backend"),
     "no-hookimpl": (plugin_source(hook=False), "invalid", "registered no backend"),
     "duplicate-name": (plugin_source([reg("good", target="plugin_dists:OtherStandIn")]), "duplicate",
-                       "already registered by plugin 'good'"),
+                       "is registered by several plugins"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FAILURES))
 def test_one_broken_plugin_never_hides_the_others(tree, case):
     source, kind, text = FAILURES[case]
-    tree.add("good-dist", {"good": GOOD})
+    tree.add("good-dist", {"good": GOOD, "other": plugin_source([reg("other", priority=-1)])})
     tree.add("zz-broken-dist", {"broken": source}, version="6.6")  # sorted after good-dist
     registry = _load(tree)
-    assert registry.names() == ("good",)
-    assert registry.get_backend("good") is StandInBackend  # first registration keeps a duplicated name
     error = _error(registry, "broken")
     assert error.kind == kind, error
     assert text in error.reason, error.reason
     assert (error.distribution, error.version) == ("zz-broken-dist", "6.6")
     assert error.entry_point.startswith(("plug_broken", "no_such"))
-    # selecting the broken plugin's backend is an error carrying the recorded reason
-    selected = "good" if kind == "duplicate" else "broken"
-    if kind != "duplicate":
+    if kind == "duplicate":
+        # neither claimant wins silently: both are reported, naming each other, and the name is unusable
+        assert registry.names() == ("other",)
+        good = _error(registry, "good")
+        assert good.kind == "duplicate" and good.backend == error.backend == "good"
+        for reason in (good.reason, error.reason):
+            assert "good-dist" in reason and "zz-broken-dist" in reason, reason
         with pytest.raises(BackendUnavailable) as exc:
-            registry.get_backend(selected)
-        assert text in str(exc.value) and "Available backends: good" in str(exc.value)
-        assert exc.value.reason == error.reason and exc.value.alternatives == ("good",)
-    else:
-        assert error.backend == "good"
+            registry.get_backend("good")
+        assert "good-dist" in str(exc.value) and "zz-broken-dist" in str(exc.value)
+        assert registry.get_backend() is StandInBackend  # 'other' is still there
+        return
+    assert registry.names() == ("good", "other")
+    assert registry.get_backend("good") is StandInBackend
+    # selecting the broken plugin's backend is an error carrying the recorded reason
+    with pytest.raises(BackendUnavailable) as exc:
+        registry.get_backend("broken")
+    assert text in str(exc.value) and "Available backends: good, other" in str(exc.value)
+    assert exc.value.reason == error.reason and exc.value.alternatives == ("good", "other")
     # and automatic selection is not disturbed
     assert registry.get_backend() is StandInBackend
 
@@ -295,6 +304,114 @@ def test_same_module_under_two_entry_points_is_reported(tree):
     registry = _load(tree)
     assert registry.names() == ("good",)
     assert _error(registry, "two").kind == "invalid"
+
+
+# ---------------------------------------------------------------------------- containment, time limits, threads
+def test_slow_probe_does_not_delay_selection_of_a_known_backend(tree, monkeypatch):
+    """The registry lock is not held while a probe runs: another thread selects a backend whose
+    probe already ran while the slow probe is still running."""
+    import threading
+    import time
+
+    monkeypatch.setenv("ATTNPLUG_PROBE_TIMEOUT", "30")
+    tree.add("d", {"p": plugin_source(
+        [reg("known"), "name='slow', backend='plugin_dists:OtherStandIn', probe=probe"],
+        body="""
+        import threading, time
+        STARTED, RELEASE = threading.Event(), threading.Event()
+        def probe():
+            STARTED.set()
+            RELEASE.wait(20)
+            return True, 'slow but fine'
+        """)})
+    registry = _load(tree)
+    module = sys.modules[registry.records[0].entry_point]
+    assert registry.get_backend("known") is StandInBackend  # probed once, before the slow one starts
+    slow = threading.Thread(target=lambda: registry.get_backend("slow"), daemon=True)
+    slow.start()
+    assert module.STARTED.wait(10)
+    try:
+        t0 = time.monotonic()
+        assert registry.get_backend("known") is StandInBackend
+        assert registry.probe("known").available and registry.select("known") == ("known", StandInBackend)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        module.RELEASE.set()
+    slow.join(10)
+    assert registry.get_backend("slow") is OtherStandIn
+
+
+def test_probe_runs_once_for_concurrent_callers(tree, monkeypatch):
+    import threading
+
+    monkeypatch.setenv("ATTNPLUG_PROBE_TIMEOUT", "30")
+    tree.add("d", {"p": plugin_source(["name='once', backend='plugin_dists:StandInBackend', probe=probe"], body="""
+        import time
+        CALLS = []
+        def probe():
+            CALLS.append(1)
+            time.sleep(0.2)
+            return True, 'ok'
+        """)})
+    registry = _load(tree)
+    module = sys.modules[registry.records[0].entry_point]
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(registry.probe("once"))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert module.CALLS == [1] and len(results) == 6 and len({id(r) for r in results}) == 1
+
+
+def test_probe_time_limit_is_configurable_and_validated(tree, monkeypatch):
+    import time
+
+    tree.add("d", {"p": plugin_source(["name='slow', backend='plugin_dists:StandInBackend', probe=probe", reg("ok")],
+                                      body="import time\ndef probe():\n    time.sleep(0.6)\n    return True, 'late'")})
+    monkeypatch.setenv("ATTNPLUG_PROBE_TIMEOUT", "0.2")
+    registry = _load(tree)
+    t0 = time.monotonic()
+    result = registry.probe("slow")
+    assert time.monotonic() - t0 < 0.55
+    assert result == ProbeResult(False, "probe timed out after 0.2 s")
+    with pytest.raises(BackendUnavailable, match="probe timed out after 0.2 s"):
+        registry.get_backend("slow")
+    time.sleep(0.6)
+    assert registry.probe("slow") is result  # the late answer does not replace the verdict
+    monkeypatch.setenv("ATTNPLUG_PROBE_TIMEOUT", "inf")
+    assert _load(tree).probe("slow").available
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("ATTNPLUG_PROBE_TIMEOUT", bad)
+        with pytest.raises(RegistryError, match=f"ATTNPLUG_PROBE_TIMEOUT='{bad}': expected a positive number"):
+            _load(tree).get_backend("ok")
+    monkeypatch.delenv("ATTNPLUG_PROBE_TIMEOUT")
+    assert R.containment.probe_timeout() == R.DEFAULT_PROBE_TIMEOUT == 5.0
+
+
+def test_keyboard_interrupt_in_the_calling_thread_still_stops_loading(tree):
+    """Ctrl-C while a plugin's hook runs must reach the user; SystemExit from the same place is
+    contained (test_plugin_faults)."""
+    tree.add("d", {"p": plugin_source([reg("p")], then=["raise KeyboardInterrupt"])})
+    with pytest.raises(KeyboardInterrupt):
+        _load(tree)
+
+
+def test_identical_copies_of_the_attnplug_distribution_are_not_reported(tmp_path, monkeypatch):
+    """Two copies with the same version and entry points (an editable install next to its
+    source-tree metadata) are one distribution; copies that differ are reported (fault matrix)."""
+    for folder in ("one", "two"):
+        write_project_metadata(tmp_path / folder)
+        monkeypatch.syspath_prepend(str(tmp_path / folder))
+    registry = load_registry()
+    assert not [e for e in registry.errors if e.kind == "distribution"], registry.errors
+    assert {"reference", "cuda", "ascend", "xpu"} <= set(registry.names())
+    write_dist_info(tmp_path / "two", "attnplug", "0.0.1", {})
+    monkeypatch.syspath_prepend(str(tmp_path / "two"))
+    registry = load_registry()
+    (error,) = [e for e in registry.errors if e.kind == "distribution"]
+    assert "0.0.1 at" in error.reason and "copies of distribution 'attnplug'" in error.reason
+    assert registry.get_backend("reference").__name__ == "ReferenceBackend"
 
 
 # ---------------------------------------------------------------------------- selection
@@ -492,7 +609,7 @@ def test_import_attnplug_resolves_no_entry_points():
     assert out.returncode == 0, out.stderr
     first, second = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
     assert first == {"calls": [], "registry": False, "vendor": []}
-    assert "entry_points" in second["calls"]  # the first real use does discover
+    assert "distributions" in second["calls"]  # the first real use does discover
 
 
 # ---------------------------------------------------------------------------- built-in probes
@@ -593,7 +710,8 @@ VENDOR_WORDS = ("cuda", "npu", "xpu", "torch_npu", "ipex")
 
 
 @pytest.mark.parametrize("relpath", ["registry/__init__.py", "registry/hookspecs.py", "registry/records.py",
-                                     "registry/registry.py", "cli.py", "pdl.py", "backends/__init__.py",
+                                     "registry/registry.py", "registry/containment.py", "registry/discovery.py",
+                                     "cli.py", "pdl.py", "backends/__init__.py",
                                      "backends/reference_plugin.py"])
 def test_registry_code_names_no_vendor(relpath):
     """Core is device-neutral: vendor names may appear in comments only."""

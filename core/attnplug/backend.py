@@ -4,7 +4,7 @@ An engine builds one backend per model (target, draft, ...) over a shared ``SWAK
 ``ReqToTokenPool``, then for each step calls ``init_forward_metadata`` (or, in graph mode,
 ``init_forward_metadata_replay_cuda_graph``) once and ``forward`` once per layer.
 
-The three hot-path rules (../shared/DESIGN.md) in terms of this class:
+The three hot-path rules (docs/contract.md) in terms of this class:
 
 1. Hoisted SWA writes: ``out_cache_loc`` is translated to SWA slots ONCE per step, inside the
    metadata methods, never in ``forward``. In graph mode the result lives in
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, ContextManager, Iterable, Optional, 
 
 import torch
 
-from .batch import ForwardBatch
+from .batch import BatchError, ForwardBatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graphs.device_graph import DeviceGraph
@@ -138,6 +138,8 @@ class AttentionBackend(abc.ABC):
             raise BackendConfigError(
                 f"the pool has SWA layers {sorted(pool.swa_layer_ids)} but sliding_window is None"
             )
+        if not (isinstance(pool.dtype, torch.dtype) and pool.dtype.is_floating_point):
+            raise BackendConfigError(f"the KV pool's dtype must be a floating dtype, got {pool.dtype}")
         if req_to_token_pool.req_to_token.device != pool.device:
             raise BackendConfigError(
                 f"req_to_token_pool is on {req_to_token_pool.req_to_token.device}, the KV pool on {pool.device}"
@@ -149,7 +151,12 @@ class AttentionBackend(abc.ABC):
         self.num_kv_heads: int = pool.num_kv_heads
         self.head_dim: int = pool.head_dim
         self.sliding_window = sliding_window
+        if scaling is not None:
+            if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) \
+                    or scaling <= 0:
+                raise BackendConfigError(f"scaling must be None or a finite float > 0, got {scaling!r}")
         self.scaling = float(scaling) if scaling is not None else 1.0 / math.sqrt(pool.head_dim)
+        self._prepared_batch: Optional[ForwardBatch] = None
 
     # ------------------------------------------------------------------ description
     @abc.abstractmethod
@@ -224,6 +231,62 @@ class AttentionBackend(abc.ABC):
         Must not: translate slots, read the host, or allocate graph-visible state.
         """
 
+    # ------------------------------------------------------------------ input checks
+    # Helpers every backend calls; host-side only unless validation is on (ATTNPLUG_VALIDATE=1).
+    def check_batch(self, batch: ForwardBatch, *, read_device: Optional[bool] = None) -> None:
+        """Refuse a batch that does not fit this backend's pools (``BatchError`` naming the
+        field and value): device, slot ranges, live rows, ``seq_lens`` bounds. Values on the
+        host are always checked; device values only when ``read_device`` (default:
+        ``validation_enabled()``), because reading them synchronises.
+        Call it from the metadata methods; replay calls it only when validation is on."""
+        from .batch_checks import check_batch_against_pools
+        from .validate import validation_enabled
+
+        if read_device is None:
+            read_device = validation_enabled()
+        check_batch_against_pools(batch, self.pool, self.req_to_token_pool, read_device=read_device)
+
+    def _note_prepared_batch(self, batch: ForwardBatch) -> None:
+        """Record the batch the last metadata call prepared (``forward`` checks it)."""
+        self._prepared_batch = batch
+
+    def _check_prepared_batch(self, batch: ForwardBatch) -> None:
+        """``batch`` must be the one the last metadata call prepared: the same object, or a
+        batch over the very same tensors (e.g. a copy that only adds ``seq_lens_cpu``)."""
+        prepared = self._prepared_batch
+        if batch is prepared:
+            return
+        if prepared is None:
+            raise RuntimeError("forward() before init_forward_metadata() for this step")
+        if not isinstance(batch, ForwardBatch) or _batch_identity(batch) != _batch_identity(prepared):
+            raise BatchError(
+                "forward() got a batch other than the one prepared by the last metadata call "
+                "(init_forward_metadata / init_forward_metadata_*_cuda_graph): call the metadata "
+                "method for this batch first; the old metadata is never reused for another batch"
+            )
+
+    def check_forward_inputs(self, q, k, v, batch: ForwardBatch, save_kv_cache: bool = True) -> None:
+        """Host-side checks of one layer's inputs: the prepared batch, and q/k/v shapes, dtypes
+        (q, k and v in the pool's floating dtype) and devices. Raises ``ValueError`` /
+        ``BatchError`` naming the argument."""
+        self._check_prepared_batch(batch)
+        T = batch.num_tokens
+        expected = {"q": (T, self.num_heads, self.head_dim)}
+        if save_kv_cache or k is not None or v is not None:
+            expected["k"] = expected["v"] = (T, self.num_kv_heads, self.head_dim)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if name not in expected:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != expected[name]:
+                raise ValueError(f"{name} must be {list(expected[name])}, got {tuple(t.shape)}")
+            if t.dtype != self.pool.dtype:
+                raise ValueError(f"{name} is {str(t.dtype).replace('torch.', '')}, the KV pool holds "
+                                 f"{str(self.pool.dtype).replace('torch.', '')} (q, k and v must match it)")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the KV pool on {self.device}")
+
     # ------------------------------------------------------------------ device services
     # Defaults for a device without graphs or sync guards; plugins override them so the
     # graph runner and the conformance suite stay device-neutral.
@@ -252,3 +315,12 @@ class AttentionBackend(abc.ABC):
         device is an accelerator, nothing for the host)."""
         if device.type != "cpu" and hasattr(torch, "accelerator"):
             torch.accelerator.synchronize(device)
+
+
+def _batch_identity(batch: ForwardBatch) -> tuple:
+    """What a step's metadata was built from: the mode, the sizes and the tensors (by storage)."""
+    return (
+        batch.forward_mode, batch.batch_size, batch.num_tokens, batch.num_draft_tokens,
+        *((t.data_ptr(), t.shape[0]) if isinstance(t, torch.Tensor) else None
+          for t in (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, batch.extend_seq_lens)),
+    )

@@ -3,8 +3,15 @@
 A ``ForwardBatch`` is built once per step by the engine (or by the graph runner over its
 static buffers) and handed unchanged to ``init_forward_metadata`` and to every layer's
 ``forward``. It is validated at construction with host-side checks only (shapes, dtypes,
-devices, lengths known on the host): building one never reads a device tensor, so it is
-safe in sync-free replay preparation.
+devices, lengths and any value already on the host: the ``*_cpu`` mirrors and CPU tensors):
+building one never reads a device tensor, so it is safe in sync-free replay preparation.
+Validation raises ``BatchError`` naming the field and the value, and changes no field; the
+only field construction fills in is ``extend_seq_lens`` of a speculative mode (``torch.full``)
+when it is not given. Checks against the pools (slot ranges, live rows) are the backend's
+(``AttentionBackend.check_batch``).
+
+Slot values: ``out_cache_loc`` holds full-pool slots ``>= 1``, ``0`` for a padded token (the
+padding sink) or ``-1`` for "no slot" (the token's KV is stored nowhere).
 
 Fields (``bs`` = ``batch_size``, ``T`` = number of new tokens this step):
 
@@ -15,7 +22,8 @@ forward_mode          ForwardMode                what kind of step this is
 batch_size            int (host)                 number of requests ``bs``
 req_pool_indices      [bs] int32|int64, device   row of each request in ``req_to_token``
 seq_lens              [bs] int32|int64, device   KV length INCLUDING this step's new tokens
-out_cache_loc         [T] int64, device          full-pool slot of each new token (0 = pad)
+out_cache_loc         [T] int64, device          full-pool slot of each new token (0 = pad,
+                                                 -1 = no slot)
 positions             [T] int64, device | None   position of each new token (for RoPE)
 seq_lens_cpu          [bs] int, host | None      host mirror of ``seq_lens``; None when no
                                                  backend of the engine needs it
@@ -31,6 +39,7 @@ num_draft_tokens      int | None                 q_len of TARGET_VERIFY / DRAFT_
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -76,6 +85,7 @@ class ForwardMode(enum.Enum):
 
 
 def _host_list(name: str, value: Optional[HostInts], bs: int) -> Optional[list]:
+    """``value`` as a list of Python ints (host data only: a list or a CPU tensor)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -83,12 +93,32 @@ def _host_list(name: str, value: Optional[HostInts], bs: int) -> Optional[list]:
             raise BatchError(f"{name} must be a host (cpu) tensor or a list, got device {value.device}")
         if value.dim() != 1:
             raise BatchError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        if value.dtype not in _INDEX_DTYPES:
+            raise BatchError(f"{name} must hold integers, got dtype {str(value.dtype).replace('torch.', '')}")
         value = value.tolist()
     else:
-        value = [int(x) for x in value]
+        try:
+            value = [_host_int(name, x) for x in value]
+        except TypeError:
+            raise BatchError(f"{name} must be a list of ints or a host tensor, got {type(value).__name__}") from None
     if len(value) != bs:
         raise BatchError(f"{name} has {len(value)} entries, batch_size is {bs}")
     return value
+
+
+def _host_int(name: str, x) -> int:
+    """An exact int: 2.7, True or "3" are refused, never truncated or coerced."""
+    if isinstance(x, bool) or isinstance(x, float) or isinstance(x, str):
+        raise BatchError(f"{name} must hold ints, got {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise BatchError(f"{name} must hold ints, got {x!r}") from None
+
+
+def _on_host(t: Optional[torch.Tensor]) -> bool:
+    """A tensor whose values can be read without a device sync (it lives on the host)."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu"
 
 
 @dataclass
@@ -109,8 +139,10 @@ class ForwardBatch:
 
     def __post_init__(self) -> None:
         if self.validate:
-            self._validate()
-        elif self.forward_mode.is_speculative and self.extend_seq_lens is None:
+            self._validate()  # raises BatchError; changes no field
+            self.seq_lens_cpu = _host_list("seq_lens_cpu", self.seq_lens_cpu, self.batch_size)
+            self.extend_seq_lens_cpu = _host_list("extend_seq_lens_cpu", self.extend_seq_lens_cpu, self.batch_size)
+        if self.forward_mode.is_speculative and self.extend_seq_lens is None:
             self.extend_seq_lens = self._full_extend_lens()
 
     # ------------------------------------------------------------------ derived (host)
@@ -153,6 +185,8 @@ class ForwardBatch:
             raise BatchError(f"{name} is on {t.device}, out_cache_loc on {self.out_cache_loc.device}")
 
     def _validate(self) -> None:
+        """Every host-side check; reads only host data (Python values, CPU tensors), never a
+        device tensor, and assigns no field."""
         mode = self.forward_mode
         if not isinstance(mode, ForwardMode):
             raise BatchError(f"forward_mode must be a ForwardMode, got {mode!r}")
@@ -169,8 +203,8 @@ class ForwardBatch:
         if self.positions is not None:
             self._check_index_tensor("positions", self.positions, T, (torch.int64,))
 
-        self.seq_lens_cpu = _host_list("seq_lens_cpu", self.seq_lens_cpu, bs)
-        self.extend_seq_lens_cpu = _host_list("extend_seq_lens_cpu", self.extend_seq_lens_cpu, bs)
+        seq_cpu = _host_list("seq_lens_cpu", self.seq_lens_cpu, bs)
+        ext_cpu = _host_list("extend_seq_lens_cpu", self.extend_seq_lens_cpu, bs)
 
         if mode is ForwardMode.IDLE:
             if bs != 0 or T != 0:
@@ -183,8 +217,6 @@ class ForwardBatch:
             n = self.num_draft_tokens
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise BatchError(f"num_draft_tokens must be an int >= 1 in {mode.name} mode, got {n!r}")
-            if self.extend_seq_lens is None:
-                self.extend_seq_lens = self._full_extend_lens()
             expected = [n] * bs
         elif mode is ForwardMode.DECODE:
             expected = [1] * bs
@@ -196,26 +228,48 @@ class ForwardBatch:
         elif mode is ForwardMode.EXTEND:
             raise BatchError("extend_seq_lens is required in EXTEND mode")
 
-        host_ext = self.extend_seq_lens_cpu
-        if host_ext is None and mode is ForwardMode.EXTEND and self.extend_seq_lens.device.type == "cpu":
-            host_ext = self.extend_seq_lens.tolist()  # already on the host: no device read
-        if expected is not None and host_ext is not None and host_ext != expected:
-            raise BatchError(f"extend_seq_lens_cpu must be {expected[0]} for every request in {mode.name} mode")
+        # Host-known values: the host mirrors, and any index tensor that lives on the host.
+        ext_tensor = self.extend_seq_lens.tolist() if _on_host(self.extend_seq_lens) else None
+        seq_tensor = self.seq_lens.tolist() if _on_host(self.seq_lens) else None
+        if ext_cpu is not None and ext_tensor is not None and ext_cpu != ext_tensor:
+            raise BatchError(f"extend_seq_lens_cpu = {ext_cpu} differs from extend_seq_lens = {ext_tensor}")
+        if seq_cpu is not None and seq_tensor is not None and seq_cpu != seq_tensor:
+            raise BatchError(f"seq_lens_cpu = {seq_cpu} differs from seq_lens = {seq_tensor}")
         if expected is not None:
-            host_ext = expected
+            for name, got in (("extend_seq_lens_cpu", ext_cpu), ("extend_seq_lens", ext_tensor)):
+                bad = [i for i, e in enumerate(got or []) if e != expected[i]]
+                if bad:
+                    raise BatchError(f"{name}[{bad[0]}] = {got[bad[0]]}: every request has {expected[0]} new "
+                                     f"token(s) in {mode.name} mode")
+        host_ext = expected if expected is not None else (ext_cpu if ext_cpu is not None else ext_tensor)
         if host_ext is None:
             raise BatchError(
                 "extend_seq_lens_cpu is required in EXTEND mode on an accelerator: the number of new tokens "
                 "must be known on the host without reading the device"
             )
-        if any(e < 1 for e in host_ext):
-            raise BatchError(f"extend_seq_lens must be >= 1 for every request, got {host_ext}")
+        bad = [i for i, e in enumerate(host_ext) if e < 1]
+        if bad:
+            raise BatchError(f"extend_seq_lens[{bad[0]}] = {host_ext[bad[0]]}: every request has >= 1 new token")
         if sum(host_ext) != T:
             raise BatchError(
                 f"len(out_cache_loc) == {T} but sum(extend_seq_lens) == {sum(host_ext)}; they must be equal"
             )
-        if self.seq_lens_cpu is not None:
-            bad = [i for i, (s, e) in enumerate(zip(self.seq_lens_cpu, host_ext)) if s < e]
+        for name, seq in (("seq_lens_cpu", seq_cpu), ("seq_lens", seq_tensor)):
+            bad = [i for i, (s, e) in enumerate(zip(seq or [], host_ext)) if s < e]
             if bad:
-                raise BatchError(f"seq_lens_cpu[{bad[0]}] = {self.seq_lens_cpu[bad[0]]} is smaller than its "
-                                 f"{host_ext[bad[0]]} new tokens (seq_lens include this step's tokens)")
+                i = bad[0]
+                raise BatchError(f"{name}[{i}] = {seq[i]} is smaller than its {host_ext[i]} new token(s) "
+                                 "(seq_lens include this step's tokens)")
+        _check_host_min("req_pool_indices", self.req_pool_indices, 0, "rows are >= 0; 0 is the padding row")
+        _check_host_min("out_cache_loc", self.out_cache_loc, -1,
+                        "slots are >= 1; 0 is the padding sink, -1 means no slot")
+
+
+def _check_host_min(name: str, t: torch.Tensor, low: int, meaning: str) -> None:
+    """Refuse an entry below ``low`` of a host tensor (tensor ops, no Python loop over T)."""
+    if not _on_host(t) or t.numel() == 0:
+        return
+    bad = torch.nonzero(t < low)
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise BatchError(f"{name}[{i}] = {int(t[i])} is out of range ({meaning})")

@@ -8,8 +8,11 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
   ``needs_cpu_seq_lens``, PDL, graph support) and every plugin load error.
 * ``attnplug conformance [--backend NAME ...] [--report PATH] [-k EXPR] [--junitxml PATH]``: the
   conformance suite (``attnplug_conformance.runner``), a check x backend matrix, a JSON report.
-* ``attnplug bench [--backend NAME] [--only NAME ...] [--quick] [--json PATH]``: the
-  benchmarks the backend's plugin ships (``AttentionBackend.run_benchmarks``).
+* ``attnplug bench [--backend NAME] [--device D] [--only NAME ...] [--quick] [--out DIR] [--json PATH]
+  [--budget-s S] [--isolate/--no-isolate] [--set NAME=VALUE]``: the benchmarks the backend's plugin
+  ships, or the portable suite (``attnplug.bench``).
+* ``attnplug soak [--backend NAME] [--steps N] [--seed S] [--page-size P] [--graphs/--no-graphs] [--json PATH]``:
+  a random serving simulation checked every step (``attnplug.soak``).
 * ``attnplug --version``.
 """
 
@@ -42,13 +45,14 @@ def info_data(registry=None) -> Dict[str, Any]:
     default = default_error = None
     try:
         default = registry.select()[0]
-    except reg.RegistryError as exc:
-        default_error = str(exc)
+    except Exception as exc:  # a RegistryError, or anything else: info still lists what it found
+        default_error = str(exc) if isinstance(exc, reg.RegistryError) else f"{type(exc).__name__}: {exc}"
     return {
         "attnplug_version": attnplug.__version__,
         "plugin_api_version": reg.PLUGIN_API_VERSION,
         "entry_point_group": reg.ENTRY_POINT_GROUP,
-        "environment": {name: os.environ.get(name) for name in (reg.ENV_BACKEND, reg.ENV_PLUGINS)},
+        "environment": {name: os.environ.get(name) for name in (reg.ENV_BACKEND, reg.ENV_PLUGINS,
+                                                                 reg.ENV_PROBE_TIMEOUT)},
         "default_backend": default,
         "default_error": default_error,
         "backends": backends,
@@ -131,7 +135,13 @@ def _print_info(data: Dict[str, Any]) -> None:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    data = info_data()
+    from attnplug.registry import RegistryError
+
+    try:
+        data = info_data()
+    except RegistryError as exc:  # e.g. a malformed ATTNPLUG_PROBE_TIMEOUT
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -157,7 +167,7 @@ def _run_conformance(args: argparse.Namespace) -> int:
     from attnplug_conformance.runner import run_conformance
 
     return run_conformance(backends=args.backends or None, report=args.report, keyword=args.keyword,
-                           junitxml=args.junitxml, device=args.device)
+                           junitxml=args.junitxml, device=args.device, thorough=args.thorough)
 
 
 def _add_conformance(subparsers) -> None:
@@ -176,43 +186,100 @@ def _add_conformance(subparsers) -> None:
                         help="write JUnit XML to PATH (PATH-<backend>.xml per backend when several run)")
     parser.add_argument("--device", metavar="DEVICE",
                         help="torch device for every backend under test (default: from its registry probe)")
+    parser.add_argument("--thorough", action="store_true",
+                        help="also run every combination of the declared dtypes, head dims and page sizes "
+                             "(slower; the default runs each declared value)")
     parser.set_defaults(func=_run_conformance)
 
 
 # ---------------------------------------------------------------------------- bench
+def _bench_error(message: str) -> int:
+    print(f"attnplug: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _run_bench(args: argparse.Namespace) -> int:
-    from attnplug.registry import RegistryError, get_backend
+    # The harness (and the suite a plugin ships) is imported only when this subcommand runs.
+    from attnplug import registry
+    from attnplug.bench import SuiteUnavailable, run_suite, suite_for
+    from attnplug.soak.selection import SoakSelectionError, resolve_backend
 
     try:
-        cls = get_backend(args.backend)
-    except RegistryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        spec = args.backend or registry.get_registry().select()[0]
+        cls, device = resolve_backend(spec, args.device)
+    except (registry.RegistryError, SoakSelectionError) as exc:
+        return _bench_error(str(exc))
+    except (RuntimeError, ValueError) as exc:  # torch.device() of a malformed --device
+        return _bench_error(f"--device {args.device!r}: {exc}")
     try:
-        cls.run_benchmarks(only=args.only, quick=args.quick, json_path=args.json)
-    except (NotImplementedError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        suite = suite_for(cls)
+        options = suite.parse_options(args.set or [])
+        result = run_suite(suite, cls, device, only=args.only, quick=args.quick, out_dir=args.out,
+                           json_path=args.json, budget_s=args.budget_s, isolate=args.isolate, options=options)
+    except (SuiteUnavailable, ValueError) as exc:
+        return _bench_error(str(exc))
+    return 1 if result["summary"]["errors"] else 0
+
+
+def _budget(text: str) -> Optional[float]:
+    return None if text.strip().lower() in ("none", "inf", "0") else float(text)
 
 
 def _add_bench(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run the benchmarks a backend ships",
-        description="Run the benchmarks shipped by a backend's plugin (default: the selected backend) and "
-                    "print a table; results and methods are recorded in docs/benchmarks.md.",
+        help="run the benchmarks a backend ships (any backend: the portable whole-step benchmark)",
+        description="Run the benchmarks a backend's plugin ships (default backend: get_backend()); a backend "
+                    "whose plugin ships none runs the portable suite (whole hybrid steps through GraphRunner vs "
+                    "eager steps, small sizes, any device). Prints progress, a table and a summary line last; "
+                    "--out DIR writes bench.json and PNG plots (time vs batch size per variant, ratio vs the "
+                    "baseline). Exit code 1 when a benchmark failed with an error, 2 when the run cannot start. "
+                    "Methods and recorded results: docs/benchmarks.md.",
     )
-    parser.add_argument("--backend", metavar="NAME", help="backend whose benchmarks to run (default: get_backend())")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks")
+    parser.add_argument("--backend", metavar="NAME",
+                        help="registry name, or module:Class (default: the backend get_backend() selects)")
+    parser.add_argument("--device", metavar="DEVICE",
+                        help="torch device (default: from the backend's registry probe; the host for module:Class)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks of the suite")
     parser.add_argument("--quick", action="store_true", help="a fast smoke pass: fewer sizes and iterations")
-    parser.add_argument("--json", metavar="PATH", help="write the results to PATH")
+    parser.add_argument("--out", metavar="DIR", help="write bench.json and the PNG plots into DIR")
+    parser.add_argument("--json", metavar="PATH", help="(also) write the JSON results to PATH")
+    parser.add_argument("--budget-s", type=_budget, default=-1.0, metavar="S",
+                        help="wall-clock budget of the run in seconds; benchmarks skip cases rather than overrun "
+                             "it (default: the suite's; 'none': unlimited)")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="run each benchmark in its own child process (default: the suite's choice)")
+    parser.add_argument("--set", action="append", metavar="NAME=VALUE",
+                        help="a suite option, e.g. --set flex_budget_s=60 (repeatable)")
     parser.set_defaults(func=_run_bench)
+
+
+# ---------------------------------------------------------------------------- soak
+def _run_soak(args: argparse.Namespace) -> int:
+    from attnplug.soak.command import run_command
+
+    return run_command(args)
+
+
+def _add_soak(subparsers) -> None:
+    from attnplug.soak.command import add_arguments
+
+    parser = subparsers.add_parser(
+        "soak",
+        help="run a random serving simulation checked every step against a float64 oracle",
+        description="Run a random serving simulation (arrivals, chunked prefill, decode, verify with rollback, "
+                    "draft-extend, pool pressure, graph replay and eager fallback, NaN in free slots and the sink) "
+                    "and check every step against a float64 oracle, the allocator's invariants and the live KV "
+                    "values (docs/reliability.md). Exit code 1 on any failure (the first failing step is printed), "
+                    "2 when the run cannot start.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=_run_soak)
 
 
 # ---------------------------------------------------------------------------- entry point
 #: functions that add one subcommand each to the ``attnplug`` parser
-SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance, _add_bench]
+SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance, _add_bench, _add_soak]
 
 
 def _version_text() -> str:

@@ -10,7 +10,16 @@ Per step (``init_forward_metadata`` or the graph-replay path), from device tenso
 * ``swa_out_cache_loc``: the SWA slots of the new tokens, translated once;
 * the window's SWA slot table ``swa_slots[b, c]`` (position ``swa_start[b] + c``) — the
   full-pool rows are translated in the same single call, never per layer;
-* the token -> (request, index) map that scatters q into the padded layout.
+* the token -> (request, index) map that scatters q into the padded layout;
+* the slots the layers store at: ``out_cache_loc`` and its translation with every entry
+  outside ``[1, num_slots)`` (the sink 0, ``-1`` = no slot, garbage) sent to the sink, whose
+  own value is written back, so such a token changes nothing.
+
+Out-of-range indices never wrap or fault: a ``req_pool_indices`` entry outside the table
+reads row 0 (no keys), a table entry outside ``[1, num_slots)`` is no key. Key columns a
+query must not see (causal, window, past ``seq_len``, no slot) contribute exactly zero
+whatever their slot holds (NaN and Inf included): their keys and values are replaced with
+``torch.where``, never multiplied by a zero weight.
 
 ``needs_cpu_seq_lens = False``: nothing here reads the device from the host.
 """
@@ -24,8 +33,18 @@ import torch
 
 from ..backend import AttentionBackend, Capabilities, GraphSupport
 from ..batch import ForwardBatch, ForwardMode
+from ..validate import validation_enabled
 
 __all__ = ["ReferenceBackend"]
+
+#: key position given to a column with no slot: past every query, so every mask drops it
+_NO_KEY = 1 << 62
+
+
+def _in_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``slots`` with every entry outside ``[1, num_slots)`` replaced by 0 (int64)."""
+    slots = slots.long()
+    return torch.where((slots >= 1) & (slots < num_slots), slots, 0)
 
 
 @dataclass
@@ -40,10 +59,14 @@ class _StepMetadata:
     swa_out_cache_loc: Optional[torch.Tensor]  # [T] int32: hoisted SWA slots of the new tokens
     swa_slots: Optional[torch.Tensor]  # [bs, Ks] int64: SWA slot of position swa_start + c (0 past seq_len)
     swa_start: Optional[torch.Tensor]  # [bs] int64: position of column 0 of swa_slots
+    seq_lens: Optional[torch.Tensor] = None  # [bs] int64: KV length of each request
+    full_store_loc: Optional[torch.Tensor] = None  # [T] int64: out_cache_loc, outside [1, S) -> 0
+    swa_store_loc: Optional[torch.Tensor] = None  # [T] int64: swa_out_cache_loc, outside [1, S_swa) -> 0
 
     def copy_(self, other: "_StepMetadata") -> "_StepMetadata":
         """Write ``other``'s values into this metadata's (static) tensors, in place."""
-        for name in ("token_req", "token_idx", "q_start", "full_slots", "swa_out_cache_loc", "swa_slots", "swa_start"):
+        for name in ("token_req", "token_idx", "q_start", "full_slots", "swa_out_cache_loc", "swa_slots", "swa_start",
+                     "seq_lens", "full_store_loc", "swa_store_loc"):
             dst = getattr(self, name)
             if dst is not None:
                 dst.copy_(getattr(other, name))
@@ -63,6 +86,7 @@ class ReferenceBackend(AttentionBackend):
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
         self._graph_buffers: Optional[Dict[str, torch.Tensor]] = None
         self._graph_metadata: Dict[Tuple[int, int], _StepMetadata] = {}
+        self._validate_replay = False
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -87,22 +111,29 @@ class ReferenceBackend(AttentionBackend):
         return min(width, self.sliding_window + q_len_max - 1)
 
     def _build_metadata(self, batch: ForwardBatch, q_len_max: int) -> _StepMetadata:
-        """Compute one step's metadata with device ops only (no host read, no sync)."""
+        """Compute one step's metadata with device ops only (no host read, no sync), and record
+        ``batch`` as the one ``forward`` must be called with."""
+        self._note_prepared_batch(batch)
         dev = self.device
         bs, T = batch.batch_size, batch.num_tokens
         seq = batch.seq_lens.long()
-        if batch.extend_seq_lens is not None:
+        if batch.extend_seq_lens is not None and batch.forward_mode is not ForwardMode.DECODE:
             ext = batch.extend_seq_lens.long()
-        else:  # DECODE: one new token per request
+        else:  # DECODE: one new token per request, whatever a given extend_seq_lens says
             ext = torch.full((bs,), 1, dtype=torch.int64, device=dev)
         ends = torch.cumsum(ext, 0)  # [bs] exclusive end of each request's tokens
         tok = torch.arange(T, device=dev)
-        token_req = torch.searchsorted(ends, tok, right=True)
+        token_req = torch.searchsorted(ends, tok, right=True).clamp_max(max(bs - 1, 0))
         token_idx = tok - (ends - ext)[token_req]
         q_start = seq - ext
-        rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices.long()]  # [bs, Kf] int32
+        table = self.req_to_token_pool.req_to_token
+        rpi = batch.req_pool_indices.long()
+        rpi = torch.where((rpi >= 0) & (rpi < table.shape[0]), rpi, 0)  # outside the table: row 0, no keys
+        rows = table[rpi]  # [bs, Kf] int32
+        n_full = self.pool.size + self.pool.page_size  # rows of a full layer's buffers
+        loc = batch.out_cache_loc
 
-        swa_out_cache_loc = swa_slots = swa_start = None
+        swa_out_cache_loc = swa_slots = swa_start = swa_store_loc = None
         if self.has_swa:
             width = rows.shape[1]
             ks = self._swa_table_width(q_len_max)
@@ -110,21 +141,30 @@ class ReferenceBackend(AttentionBackend):
             cols = swa_start[:, None] + torch.arange(ks, device=dev)  # [bs, Ks] positions
             window_full = torch.gather(rows, 1, cols.clamp_max(width - 1)).long()
             # The ONE translation of this step: the new tokens and the window's rows together.
-            both = self.pool.translate_loc_from_full_to_swa(torch.cat([batch.out_cache_loc, window_full.flatten()]))
+            # A full slot outside the pool becomes -1 first (translated to -1, "no slot").
+            full = torch.cat([loc, window_full.flatten()])
+            full = torch.where((full >= 0) & (full < n_full), full, -1)
+            both = self.pool.translate_loc_from_full_to_swa(full)
             swa_out_cache_loc = both[:T]
-            swa_slots = torch.where(cols < seq[:, None], both[T:].view(bs, ks).long(), 0)
+            n_swa = self.pool.size_swa + self.pool.page_size
+            swa_store_loc = _in_slots(swa_out_cache_loc, n_swa)
+            swa_slots = torch.where(cols < seq[:, None], _in_slots(both[T:].view(bs, ks), n_swa), 0)
         return _StepMetadata(
             q_len_max=q_len_max,
             token_req=token_req,
             token_idx=token_idx,
             q_start=q_start,
-            full_slots=rows.long(),
+            full_slots=_in_slots(rows, n_full),
             swa_out_cache_loc=swa_out_cache_loc,
             swa_slots=swa_slots,
             swa_start=swa_start,
+            seq_lens=seq,
+            full_store_loc=_in_slots(loc, n_full),
+            swa_store_loc=swa_store_loc,
         )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.check_batch(batch)
         q_len = batch.q_len
         if q_len is None:  # EXTEND / IDLE: the widest request, known on the host by construction
             host_ext = batch.extend_seq_lens_cpu
@@ -143,13 +183,18 @@ class ReferenceBackend(AttentionBackend):
             "token_idx": torch.zeros(max_num_tokens, **i64),
             "q_start": torch.zeros(max_bs, **i64),
             "full_slots": torch.zeros(max_bs, width, **i64),
+            "seq_lens": torch.zeros(max_bs, **i64),
+            "full_store_loc": torch.zeros(max_num_tokens, **i64),
         }
         self.cuda_graph_swa_out_cache_loc = torch.zeros(max_num_tokens, dtype=torch.int32, device=dev)
         if self.has_swa:
             buffers["swa_slots"] = torch.zeros(max_bs, self._swa_table_width(max_num_tokens), **i64)
             buffers["swa_start"] = torch.zeros(max_bs, **i64)
+            buffers["swa_store_loc"] = torch.zeros(max_num_tokens, **i64)
         self._graph_buffers = buffers
         self._graph_metadata = {}
+        # Read once here, not per replay: replay does no new host work unless validation is on.
+        self._validate_replay = validation_enabled()
 
     def _graph_views(self, batch: ForwardBatch) -> _StepMetadata:
         if self._graph_buffers is None:
@@ -174,11 +219,16 @@ class ReferenceBackend(AttentionBackend):
                 swa_out_cache_loc=self.cuda_graph_swa_out_cache_loc[:n] if self.has_swa else None,
                 swa_slots=b["swa_slots"][:bs, :ks] if self.has_swa else None,
                 swa_start=b["swa_start"][:bs] if self.has_swa else None,
+                seq_lens=b["seq_lens"][:bs],
+                full_store_loc=b["full_store_loc"][:n],
+                swa_store_loc=b["swa_store_loc"][:n] if self.has_swa else None,
             )
             self._graph_metadata[key] = md
         return md
 
     def _fill_graph_metadata(self, batch: ForwardBatch) -> None:
+        if self._validate_replay:  # ATTNPLUG_VALIDATE=1 at init_cuda_graph_state: reads (syncs)
+            self.check_batch(batch, read_device=True)
         md = self._graph_views(batch)
         md.copy_(self._build_metadata(batch, md.q_len_max))
         self.cuda_graph_swa_out_cache_loc[batch.num_tokens:].zero_()  # padding writes go to slot 0
@@ -199,17 +249,10 @@ class ReferenceBackend(AttentionBackend):
         if md is None:
             raise RuntimeError("forward() before init_forward_metadata() for this step")
         T = batch.num_tokens
-        if q.dim() != 3 or q.shape[0] != T or q.shape[1] != self.num_heads or q.shape[2] != self.head_dim:
-            raise ValueError(f"q must be [{T}, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
-        kv_shape = (T, self.num_kv_heads, self.head_dim)
-        if tuple(k.shape) != kv_shape or tuple(v.shape) != kv_shape:
-            raise ValueError(f"k and v must be {list(kv_shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        self.check_forward_inputs(q, k, v, batch, save_kv_cache)
         is_swa = self.pool.is_swa_layer(layer_id)
         if save_kv_cache:
-            if is_swa:
-                self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v, swa_loc=md.swa_out_cache_loc)
-            else:
-                self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+            self._store_kv(layer_id, is_swa, k, v, md)
         if T == 0:
             return q.new_empty(q.shape)
 
@@ -220,8 +263,22 @@ class ReferenceBackend(AttentionBackend):
         else:
             slots = md.full_slots
             key_pos = torch.arange(slots.shape[1], device=q.device)[None, :]
+        key_pos = torch.where(slots > 0, key_pos, _NO_KEY)  # slot 0 (sink / no slot): no key
         window = self.sliding_window if is_swa else None
         return self._attend(q, k_cache[slots], v_cache[slots], key_pos, window, md)
+
+    def _store_kv(self, layer_id: int, is_swa: bool, k, v, md: _StepMetadata) -> None:
+        """Store at the step's hoisted slots. A token whose slot is outside the pool (mapped
+        to 0 in metadata) writes the sink's own value back: nothing changes, nothing wraps."""
+        loc = md.swa_store_loc if is_swa else md.full_store_loc
+        k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
+        keep = (loc != 0)[:, None, None]
+        k = torch.where(keep, k, k_cache[0])
+        v = torch.where(keep, v, v_cache[0])
+        if is_swa:
+            self.pool.set_kv_buffer(layer_id, md.full_store_loc, k, v, swa_loc=loc)
+        else:
+            self.pool.set_kv_buffer(layer_id, loc, k, v)
 
     def _attend(self, q, keys, values, key_pos, window, md: _StepMetadata) -> torch.Tensor:
         """q [T, H, D]; keys/values [bs, K, Hkv, D]; key_pos [bs or 1, K] positions."""
@@ -233,9 +290,15 @@ class ReferenceBackend(AttentionBackend):
         qp[md.token_req, md.token_idx] = q.to(cdt)
         q_pos = md.q_start[:, None] + torch.arange(Q, device=q.device)  # [bs, Q]
         kp, qq = key_pos[:, None, :], q_pos[:, :, None]
-        mask = kp <= qq  # causal (also excludes positions at or past seq_len)
+        mask = kp <= qq  # causal
+        if md.seq_lens is not None:  # padded q rows sit past seq_len: keys past it stay unseen
+            mask = mask & (kp < md.seq_lens[:, None, None])
         if window is not None:
             mask = mask & (kp > qq - window)
+        # A column no query sees contributes exactly zero, whatever its slot holds (NaN, Inf).
+        seen = mask.any(1)[:, :, None, None]  # [bs, K, 1, 1]
+        keys = torch.where(seen, keys, 0)
+        values = torch.where(seen, values, 0)
         scores = torch.einsum("bqhgd,bkhd->bhgqk", qp.view(bs, Q, Hkv, G, D), keys.to(cdt)) * self.scaling
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         row_max = scores.amax(-1, keepdim=True)

@@ -1,7 +1,19 @@
 """Device graphs: the graph API a plugin supplies and the runner that captures/replays steps."""
 
+from .collector import collector_paused
 from .device_graph import DeviceGraph, EagerGraph
-from .stream_graph import StreamGraph
-from .runner import GraphRunner, StepFn, default_bucket_sizes
+from .stream_graph import PoolOps, StreamGraph, torch_pool_ops
+from .runner import GraphCaptureError, GraphRunner, StepFn, default_bucket_sizes
 
-__all__ = ["DeviceGraph", "EagerGraph", "GraphRunner", "StreamGraph", "StepFn", "default_bucket_sizes"]
+__all__ = [
+    "DeviceGraph",
+    "EagerGraph",
+    "GraphCaptureError",
+    "GraphRunner",
+    "PoolOps",
+    "StreamGraph",
+    "StepFn",
+    "collector_paused",
+    "default_bucket_sizes",
+    "torch_pool_ops",
+]

@@ -4,6 +4,10 @@ A plugin supplies its device's graph class through ``AttentionBackend.new_graph(
 object captures one callable once and replays it; the callable's output tensor is static:
 ``replay()`` leaves the new results in the same tensor that ``capture`` returned.
 
+Capture is atomic: when it raises, the graph has ended any capture it began and released
+what it held, leaves no device state behind that could make a later capture fail, and is
+never replayed (``GraphRunner`` drops it and records why).
+
 Devices without graphs (and the host) get ``EagerGraph``: it keeps the callable and re-runs it
 on ``replay()`` over the same static buffers, so the capture/replay metadata path of every
 backend is exercised even on a machine with no accelerator.
@@ -23,8 +27,9 @@ class DeviceGraph(Protocol):
     """What the graph runner needs of a device graph."""
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run ``fn`` under capture (after whatever warm-up the device needs) and return
-        its output, a tensor that every later ``replay()`` overwrites in place."""
+        """Run ``fn`` under capture (after whatever warm-up the device needs: warm-up must
+        call this same ``fn``) and return its output, a tensor that every later
+        ``replay()`` overwrites in place. On failure: raise, leaving nothing captured."""
 
     def replay(self) -> None:
         """Re-execute the captured work over the current contents of the static buffers."""
@@ -41,9 +46,9 @@ class EagerGraph:
         self._out: Optional[torch.Tensor] = None
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        self._fn = fn
-        self._out = fn()
-        return self._out
+        out = fn()  # if this raises, nothing is kept
+        self._fn, self._out = fn, out
+        return out
 
     def replay(self) -> None:
         if self._fn is None:

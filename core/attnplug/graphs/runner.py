@@ -15,11 +15,33 @@ at run time:
 A step that no graph covers (mode not captured, more requests than the largest bucket)
 runs eagerly: ``init_forward_metadata`` (which translates once) and ``step``.
 
+The runner never runs eagerly without saying so. ``run()`` captures on first use: the first
+step of a mode the runner captures triggers ``capture()`` when it was never called. A step that
+still runs eagerly has a reason, ``why_eager(batch)``; the first eager step of each mode and
+reason is logged (WARNING when graphs could serve it, e.g. a batch larger than ``max_bs``;
+INFO for modes the runner never captures, e.g. EXTEND), and ``status()`` lists the reasons
+(``not_captured`` per mode, ``eager_runs`` with the steps counted). A backend that declares
+``GraphSupport.NEVER`` is reported once, at construction.
+
+Capture is per bucket and atomic. If capturing one (mode, bucket) fails, the device graph
+ends what it began (see ``DeviceGraph``), the bucket is left out, and the reason is kept in
+``capture_failures`` (also logged at WARNING, and shown by ``status()``); steps of that size
+run in the next larger captured bucket of the mode, or eagerly when there is none. The
+other buckets are captured as usual and replay unaffected. ``capture(strict=True)`` also
+raises ``GraphCaptureError`` after trying every bucket.
+
+Capture keeps the cyclic garbage collector paused (``collector.collector_paused``), and the
+runner holds no reference cycle: dropping the last reference to a runner frees its graphs at
+once, never later inside some other capture.
+
 Every replay-path operation is a device copy/fill: the runner never reads device values.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -27,9 +49,15 @@ import torch
 
 from ..backend import AttentionBackend, GraphSupport, decide_needs_cpu_seq_lens
 from ..batch import ForwardBatch, ForwardMode
+from . import collector
 from .device_graph import DeviceGraph
 
-__all__ = ["GraphRunner", "default_bucket_sizes", "StepFn"]
+__all__ = ["GraphCaptureError", "GraphRunner", "default_bucket_sizes", "StepFn"]
+
+logger = logging.getLogger(__name__)
+
+#: a captured graph's key: (mode, bucket size)
+GraphKey = Tuple[ForwardMode, int]
 
 #: ``step(batch, inputs) -> Tensor[T, ...]``: runs every layer of one step.
 StepFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
@@ -51,6 +79,32 @@ def default_bucket_sizes(max_bs: int) -> Tuple[int, ...]:
         b += 8 if b < 64 else 16
     sizes.append(max_bs)
     return tuple(sizes)
+
+
+class GraphCaptureError(RuntimeError):
+    """``GraphRunner.capture(strict=True)`` found buckets it could not capture.
+    ``failures`` maps each ``(mode, bucket)`` to the reason."""
+
+    def __init__(self, failures: Mapping[GraphKey, str]) -> None:
+        self.failures = dict(failures)
+        lines = "; ".join(f"{_key_name(k)}: {r}" for k, r in self.failures.items())
+        super().__init__(f"{len(self.failures)} graph capture(s) failed: {lines}")
+
+
+def _key_name(key: GraphKey) -> str:
+    return f"{key[0].name}/bs={key[1]}"
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` of ``exc`` and of the exceptions it was raised while
+    handling (the full traceback is logged at DEBUG)."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen and len(parts) < 3:
+        seen.add(id(exc))
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        parts.append(f"{type(exc).__name__}: {first_line}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- raised while handling ".join(parts)
 
 
 @dataclass
@@ -92,7 +146,16 @@ class GraphRunner:
         unsupported = [m.name for m in wanted if m not in supported]
         if unsupported:
             raise ValueError(f"backend {backend.name!r} cannot capture {unsupported} (graphs={backend.capabilities().graphs.name})")
+        if modes is not None and num_draft_tokens is None and any(m.is_speculative for m in wanted):
+            raise ValueError(f"modes {[m.name for m in wanted if m.is_speculative]} need num_draft_tokens "
+                             "(the q_len of every request)")
         self.modes = tuple(m for m in wanted if m is ForwardMode.DECODE or num_draft_tokens)
+        #: mode -> why the runner never replays it (every step of that mode runs eagerly)
+        self.not_captured: Dict[ForwardMode, str] = {
+            m: _why_not_captured(m, backend, supported, wanted) for m in ForwardMode if m not in self.modes}
+        if not supported:
+            logger.warning("GraphRunner(%s): the backend declares graphs=NEVER: every step runs eagerly",
+                           backend.name)
         self.max_bs = max_bs
         q_max = max([1] + [num_draft_tokens or 1 for m in self.modes if m.is_speculative])
         self.max_num_tokens = max_bs * q_max
@@ -106,7 +169,13 @@ class GraphRunner:
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.inputs = {name: torch.zeros((n, *shape), dtype=dtype, device=dev) for name, (shape, dtype) in inputs.items()}
-        self.graphs: Dict[Tuple[ForwardMode, int], _Captured] = {}
+        self.graphs: Dict[GraphKey, _Captured] = {}
+        #: (mode, bucket) -> why its capture failed (those buckets run in a larger bucket or eagerly)
+        self.capture_failures: Dict[GraphKey, str] = {}
+        self.capture_ran = False
+        #: "MODE" -> {"steps": eager steps run, "why": the latest reason}
+        self.eager_runs: Dict[str, Dict[str, object]] = {}
+        self._eager_logged: set = set()  # (mode, kind) already logged
 
     # ------------------------------------------------------------------ capture
     def _q_len(self, mode: ForwardMode) -> int:
@@ -126,17 +195,71 @@ class GraphRunner:
             validate=False,  # padding views: padded requests may be shorter than q_len
         )
 
-    def capture(self) -> None:
-        """Capture every (mode, bucket) graph, largest bucket first. Buffers hold padding
-        values during capture, so capture never touches a live KV slot (slot 0 only)."""
+    def capture(self, *, strict: bool = False) -> Dict[GraphKey, str]:
+        """Capture every (mode, bucket) graph, largest bucket first; returns
+        ``capture_failures`` (empty when all were captured).
+
+        Buffers hold padding values during capture, so capture never touches a live KV slot
+        (slot 0 only). A bucket whose capture raises is left out and its reason recorded (see
+        module docstring); ``strict``: then raise ``GraphCaptureError`` after trying every
+        bucket. Calling it again recaptures every bucket.
+        """
+        with collector.collector_paused(collect=False):  # device graphs collect once, before their first capture
+            for mode in self.modes:
+                for bs in reversed(self.bucket_sizes):
+                    key = (mode, bs)
+                    self.graphs.pop(key, None)
+                    self.capture_failures.pop(key, None)
+                    try:
+                        self.graphs[key] = self._capture_bucket(mode, bs)
+                    except Exception as exc:
+                        self._record_failure(key, exc)
+        self.capture_ran = True
         for mode in self.modes:
-            for bs in reversed(self.bucket_sizes):
-                batch = self._static_batch(mode, bs)
-                views = {name: buf[: batch.num_tokens] for name, buf in self.inputs.items()}
-                self.backend.init_forward_metadata_capture_cuda_graph(batch)
-                graph = self.backend.new_graph()
-                output = graph.capture(lambda batch=batch, views=views: self.step(batch, views))
-                self.graphs[(mode, bs)] = _Captured(graph, batch, output)
+            if not any(k[0] is mode for k in self.graphs):
+                logger.error("GraphRunner(%s): no %s graph captured; every %s step runs eagerly", self.backend.name,
+                             mode.name, mode.name)
+        if strict and self.capture_failures:
+            raise GraphCaptureError(self.capture_failures)
+        return dict(self.capture_failures)
+
+    def _capture_bucket(self, mode: ForwardMode, bs: int) -> _Captured:
+        batch = self._static_batch(mode, bs)
+        views = {name: buf[: batch.num_tokens] for name, buf in self.inputs.items()}
+        self.backend.init_forward_metadata_capture_cuda_graph(batch)
+        graph = self.backend.new_graph()
+        # The callable holds the step, the batch and the views, never the runner (no cycle).
+        output = graph.capture(functools.partial(self.step, batch, views))
+        if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] < batch.num_tokens:
+            got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ValueError(f"the step must return a tensor of >= {batch.num_tokens} rows, got {got}")
+        return _Captured(graph, batch, output)
+
+    def _record_failure(self, key: GraphKey, exc: BaseException) -> None:
+        reason = _describe(exc)
+        self.capture_failures[key] = reason
+        logger.warning("GraphRunner(%s): capturing %s failed, that bucket is not captured: %s", self.backend.name,
+                       _key_name(key), reason)
+        logger.debug("capture traceback of %s:\n%s", _key_name(key), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+    def status(self) -> Dict[str, object]:
+        """What the runner captured, JSON-ready: ``backend``, ``capture_ran``, ``device_graphs``
+        (False: the eager stand-in), ``captured`` (``"MODE/bs=N"``), ``failed`` (name ->
+        reason), ``eager_modes`` (modes the runner captures but has no graph of: all their
+        steps run eagerly), ``not_captured`` (``"MODE"`` -> why the runner never captures it)
+        and ``eager_runs`` (``"MODE"`` -> ``{"steps": n, "why": latest reason}`` of the steps
+        ``run()`` ran eagerly)."""
+        order = sorted(self.graphs, key=lambda k: (self.modes.index(k[0]), k[1]))
+        return {
+            "backend": self.backend.name,
+            "capture_ran": self.capture_ran,
+            "device_graphs": any(getattr(c.graph, "is_device_graph", False) for c in self.graphs.values()),
+            "captured": [_key_name(k) for k in order],
+            "failed": {_key_name(k): r for k, r in self.capture_failures.items()},
+            "eager_modes": [m.name for m in self.modes if not any(k[0] is m for k in self.graphs)],
+            "not_captured": {m.name: r for m, r in self.not_captured.items()},
+            "eager_runs": {m: dict(v) for m, v in self.eager_runs.items()},
+        }
 
     # ------------------------------------------------------------------ run
     def bucket_for(self, batch: ForwardBatch) -> Optional[int]:
@@ -150,11 +273,62 @@ class GraphRunner:
                 return bs
         return None
 
+    def why_eager(self, batch: ForwardBatch) -> Optional[str]:
+        """Why ``run(batch)`` would run eagerly now, or None when it replays a graph (host
+        values only: mode, ``batch_size``, ``num_draft_tokens``)."""
+        reason = self._eager_reason(batch)
+        return None if reason is None else reason[1]
+
+    def _eager_reason(self, batch: ForwardBatch) -> Optional[Tuple[str, str]]:
+        """``(kind, sentence)`` for a batch no graph covers, else None. ``kind`` is
+        ``"never"`` for modes the runner never captures, else a short key of the cause."""
+        mode = batch.forward_mode
+        if mode in self.not_captured:
+            return "never", f"{mode.name} steps are not captured: {self.not_captured[mode]}"
+        if self.bucket_for(batch) is not None:
+            return None
+        if not self.capture_ran:
+            return "not-captured-yet", (f"capture() has not run yet (run() captures on the first step of "
+                                        f"{', '.join(m.name for m in self.modes)})")
+        if mode.is_speculative and batch.num_draft_tokens != self.num_draft_tokens:
+            return "num-draft-tokens", (f"num_draft_tokens={batch.num_draft_tokens}, the graphs were captured for "
+                                        f"num_draft_tokens={self.num_draft_tokens}")
+        captured = [b for (m, b) in self.graphs if m is mode]
+        if not captured:
+            failed = {_key_name(k): r for k, r in self.capture_failures.items() if k[0] is mode}
+            return "capture-failed", f"every {mode.name} capture failed: {failed}"
+        failed = sorted(b for (m, b) in self.capture_failures if m is mode and b >= batch.batch_size)
+        extra = f" (the capture of buckets {failed} failed)" if failed else ""
+        return "too-large", (f"batch_size {batch.batch_size} exceeds the largest captured {mode.name} bucket "
+                             f"{max(captured)} (max_bs={self.max_bs}){extra}")
+
+    def _note_eager(self, batch: ForwardBatch) -> None:
+        """Count an eager step and log its reason the first time (per mode and kind)."""
+        kind, why = self._eager_reason(batch) or ("unknown", "no graph covers this step")
+        mode = batch.forward_mode.name
+        entry = self.eager_runs.setdefault(mode, {"steps": 0, "why": why})
+        entry["steps"] = int(entry["steps"]) + 1
+        entry["why"] = why
+        if (mode, kind) not in self._eager_logged:
+            self._eager_logged.add((mode, kind))
+            level = logging.INFO if kind == "never" else logging.WARNING
+            logger.log(level, "GraphRunner(%s): eager %s step: %s", self.backend.name, mode, why)
+
     def run(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Run one step; returns ``[T, ...]`` (a view of the static output after a replay:
-        valid until the next call)."""
+        """Run one step; returns ``[T, ...]``, the step function's output for the real tokens.
+
+        After a replay this is a view of the graph's static output: valid until the next
+        ``run()`` of this runner (read it, or ``clone()`` it, before then). The first step of a
+        captured mode captures every graph when ``capture()`` was never called. A step no graph
+        covers runs eagerly (``init_forward_metadata`` + ``step``); ``why_eager`` says why.
+        """
+        if not self.capture_ran and batch.forward_mode in self.modes:
+            logger.info("GraphRunner(%s): capturing on first use (first %s step)", self.backend.name,
+                        batch.forward_mode.name)
+            self.capture()
         bucket = self.bucket_for(batch)
         if bucket is None:
+            self._note_eager(batch)
             self.backend.init_forward_metadata(batch)
             return self.step(batch, dict(inputs))
         captured = self.graphs[(batch.forward_mode, bucket)]
@@ -179,6 +353,22 @@ class GraphRunner:
         dst[:n].copy_(src[:n])
         if padded > n:
             dst[n:padded].fill_(fill)
+
+
+def _why_not_captured(mode: ForwardMode, backend: AttentionBackend, supported: Tuple[ForwardMode, ...],
+                      wanted: Tuple[ForwardMode, ...]) -> str:
+    """Why a runner over ``backend`` never captures ``mode`` (one sentence)."""
+    graphs = backend.capabilities().graphs.name
+    if not supported:
+        return f"backend {backend.name!r} declares graphs=NEVER"
+    if mode not in _MODES_BY_SUPPORT[GraphSupport.ALWAYS]:
+        return ("GraphRunner captures only modes with the same number of new tokens per request "
+                "(DECODE, TARGET_VERIFY, DRAFT_EXTEND)")
+    if mode not in supported:
+        return f"backend {backend.name!r} declares graphs={graphs} ({', '.join(m.name for m in supported)})"
+    if mode not in wanted:
+        return f"not in the runner's modes {[m.name for m in wanted]}"
+    return "the runner was built without num_draft_tokens (the q_len these modes need)"
 
 
 def _with_seq_lens_cpu(static: ForwardBatch, batch: ForwardBatch, bucket: int, fill: int) -> ForwardBatch:

@@ -6,6 +6,10 @@
   all-or-nothing across both pools; out-of-window SWA slots are evicted between steps.
 * ``ReqToTokenPool``: the request table ``req_to_token`` and each row's eviction frontier.
 * Errors: ``OutOfKVSlots``, ``KVSlotError``, ``OutOfReqSlots``, ``InvariantViolation``.
+
+Slot values: ``[page_size, size + page_size)`` usable, 0 (page 0) the padding sink, -1 "no
+slot" (translated to -1, never written, never freed); see ``swa_pool``. Every refused call
+leaves all of the above exactly as it was.
 """
 
 from .allocator import SWATokenAllocator

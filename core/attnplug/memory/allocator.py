@@ -17,39 +17,41 @@ Paged continuation follows SGLang: the new tokens of a request first fill the re
 slots of the page holding its last token (``slot = page_base + pos % page_size``), then
 take whole new pages, so position ``p`` of a request always lies at offset
 ``p % page_size`` of its page.
+
+What the allocator owns, it checks (it knows pages, not requests):
+
+* **Fill.** Each full page records how many of its leading slots were handed out
+  (``page_fill``; ``alloc(n)`` hands out whole pages). A continuation (``alloc_extend`` /
+  ``alloc_decode`` with ``last_loc``) that puts new tokens into ``last_loc``'s page must
+  start right after the page's last handed-out slot: ``last_loc`` must BE that slot, i.e.
+  the continuing request's own last slot. So a continuation never hands out a slot that was
+  already handed out (another request's, or one of the page's slots already given by
+  ``alloc(n)``), and two requests cannot be given the same partial page in one call.
+* **Eviction.** ``evict_out_of_window`` frees SWA slots only for positions the row really
+  holds: every position in ``[frontier, seq_len)`` of the row must hold a live full slot
+  (the engine writes a request's slots into its row right after allocating them and zeroes
+  or rewrites the positions it drops, as ``ReqToTokenPool.free`` does for a whole row).
+* **Slots.** ``-1`` ("no slot"), slot 0 / page 0 (the sink), values past the pool, bools and
+  floats are refused wherever a slot is expected.
+
+A refused call raises ``KVSlotError`` (or ``OutOfKVSlots``) before changing anything: free
+lists, used flags, page maps, page fill, the device mapping and the request table are left
+exactly as they were.
 """
 
 from __future__ import annotations
 
-from typing import Sequence, Union
-
 import torch
 
+from ..validate import validation_enabled
+from .args import HostInts, host_int
+from .args import first as _first
+from .args import host_ints as _host_int64
 from .errors import InvariantViolation, KVSlotError, OutOfKVSlots
 from .req_to_token import ReqToTokenPool
 from .swa_pool import SWAKVPool
 
 __all__ = ["SWATokenAllocator"]
-
-HostInts = Union[torch.Tensor, Sequence[int]]
-_SHOWN = 8  # offending slots named in an error message
-
-
-def _host_int64(values: HostInts, name: str) -> torch.Tensor:
-    """``values`` as a flat int64 CPU tensor. A device tensor is copied to the host (this
-    syncs: allocation runs between steps, never in graph replay)."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise KVSlotError(f"{name} must hold integers, got {values.dtype}")
-        return values.detach().to(device="cpu", dtype=torch.int64).reshape(-1)
-    return torch.as_tensor(values, dtype=torch.int64).reshape(-1)
-
-
-def _first(slots: torch.Tensor) -> str:
-    """The first few entries of a host int tensor, for error messages."""
-    shown = slots[:_SHOWN].tolist()
-    more = f" (+{slots.numel() - _SHOWN} more)" if slots.numel() > _SHOWN else ""
-    return f"{shown}{more}"
 
 
 class _PagePool:
@@ -86,13 +88,17 @@ class SWATokenAllocator:
 
     * the full and SWA free lists and used flags (``_PagePool``);
     * ``full_to_swa_page``: ``[N + 1]`` int64, SWA page of each full page (0 = none);
-    * ``swa_to_full_page``: ``[M + 1]`` int64, its reverse (0 = SWA page free).
+    * ``swa_to_full_page``: ``[M + 1]`` int64, its reverse (0 = SWA page free);
+    * ``page_fill``: ``[N + 1]`` int64, leading slots of each full page handed out
+      (0 for a free page, ``page_size`` for a page from ``alloc(n)``).
 
     Device state: ``pool.full_to_swa_index_mapping`` (owned by the pool, written here).
     Slots returned by the ``alloc*`` methods are int64 tensors on the pool's device.
     """
 
     def __init__(self, pool: SWAKVPool) -> None:
+        if not isinstance(pool, SWAKVPool):
+            raise TypeError(f"pool must be an SWAKVPool, got {type(pool).__name__}")
         self.pool = pool
         self.page_size = pool.page_size
         self.device = pool.device
@@ -100,6 +106,7 @@ class SWATokenAllocator:
         self._swa = _PagePool(pool.size_swa // pool.page_size)
         self.full_to_swa_page = torch.zeros(self._full.num_pages + 1, dtype=torch.int64)
         self.swa_to_full_page = torch.zeros(self._swa.num_pages + 1, dtype=torch.int64)
+        self.page_fill = torch.zeros(self._full.num_pages + 1, dtype=torch.int64)
         self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
 
     # ------------------------------------------------------------------ sizes
@@ -124,7 +131,7 @@ class SWATokenAllocator:
         All-or-nothing: raises ``OutOfKVSlots`` with both pools' free counts, changing
         nothing, when either pool is short.
         """
-        if not isinstance(n, int) or n < 0 or n % self.page_size:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % self.page_size:
             raise KVSlotError(f"alloc(n) needs an int n >= 0 that is a multiple of page_size={self.page_size}, "
                               f"got {n!r}")
         pages = self._take_pages(n // self.page_size)
@@ -139,6 +146,11 @@ class SWATokenAllocator:
         by request in position order. The tokens first fill the rest of the page of
         ``last_loc`` (already mapped to an SWA page), then take new pages (each given an
         SWA page). All-or-nothing across both pools (``OutOfKVSlots``).
+
+        ``last_loc`` must be the request's own last slot (see the module docstring): an
+        allocated slot at the page offset of position ``prefix_lens[i] - 1`` and, when new
+        tokens go into its page, the page's last handed-out slot; at most one request of a
+        call may continue a given page. Otherwise ``KVSlotError``, nothing changed.
         """
         ps = self.page_size
         prefix = _host_int64(prefix_lens, "prefix_lens")
@@ -150,12 +162,15 @@ class SWATokenAllocator:
         if bool((prefix < 0).any()) or bool((seq < prefix).any()):
             raise KVSlotError(f"need 0 <= prefix_lens <= seq_lens, got prefix_lens={_first(prefix)}, "
                               f"seq_lens={_first(seq)}")
+        if prefix.numel() and int(seq.max()) > self.pool.size:  # also keeps the arithmetic below in range
+            raise KVSlotError(f"seq_lens {_first(seq[seq > self.pool.size])} exceed the full pool's "
+                              f"{self.pool.size} slots: no request can hold that many positions")
         self._check_last_loc(prefix, seq, last)
 
         ext = seq - prefix  # [bs] new tokens
         prefix_pages = (prefix + ps - 1) // ps  # pages already (partly) held
         new_pages = (seq + ps - 1) // ps - prefix_pages  # [bs]
-        pages = self._take_pages(int(new_pages.sum()))
+        pages = self._take_pages(int(new_pages.sum()), fill=0)
 
         # Token t of the output: request token_req[t], position pos[t].
         bs, total = ext.numel(), int(ext.sum())
@@ -167,7 +182,9 @@ class SWATokenAllocator:
         page_idx = (page_start[token_req] + pos // ps - prefix_pages[token_req]).clamp_min(0)
         new_base = pages[page_idx] * ps if pages.numel() else torch.zeros_like(pos)
         base = torch.where(in_last, last[token_req] // ps * ps, new_base)
-        return (base + pos % ps).to(self.device)
+        slots = base + pos % ps
+        self.page_fill.scatter_reduce_(0, slots // ps, slots % ps + 1, reduce="amax")
+        return slots.to(self.device)
 
     def alloc_decode(self, seq_lens: HostInts, last_loc: HostInts) -> torch.Tensor:
         """One new token per request: ``seq_lens`` (``[bs]`` host ints) INCLUDE it, so its
@@ -183,8 +200,8 @@ class SWATokenAllocator:
         """Free the full slots ``full_locs`` (any shape, host or device ints; a device tensor
         is copied to the host) and their SWA slots where still live. With ``page_size > 1``
         the distinct pages they lie in are freed, each once. Raises ``KVSlotError`` (nothing
-        changed) for slot 0 / page 0, out-of-range or repeated slots, or slots whose page is
-        not allocated (double free)."""
+        changed) for -1, slot 0 / page 0, out-of-range or repeated slots, non-integer values
+        (floats, bools), or slots whose page is not allocated (double free)."""
         pages, slots = self._full_pages_of(full_locs, "free")
         idle = ~self._full.used[pages]
         if bool(idle.any()):
@@ -193,6 +210,46 @@ class SWATokenAllocator:
         swa_pages = self.full_to_swa_page[pages]
         self._unmap(pages[swa_pages != 0])
         self._full.give_back(pages)
+        self.page_fill[pages] = 0
+
+    def rollback(self, full_locs: HostInts) -> None:
+        """Give back the LAST handed-out slots of pages, e.g. the rejected drafts of a
+        TARGET_VERIFY step (any shape, host or device ints).
+
+        For every page the slots lie in, they must be exactly the page's trailing handed-out
+        slots ``[k, page_fill)``: a page left with ``k == 0`` slots is freed (with its SWA
+        page); a partly kept page stays allocated with ``page_fill = k``, so the request
+        continues it from its new last slot (``alloc_extend`` / ``alloc_decode`` with
+        ``last_loc`` = the slot of position ``k - 1`` of the page). With ``page_size == 1``
+        this is ``free``. Raises ``KVSlotError`` (nothing changed) for invalid, repeated or
+        unallocated slots, or slots that are not the tail of their page.
+        """
+        pages, slots = self._full_pages_of(full_locs, "rollback")
+        idle = ~self._full.used[pages]
+        if bool(idle.any()):
+            raise KVSlotError(f"rollback: full slots {_first(self._slots_in(slots, pages[idle]))} are not allocated "
+                              "(double free or never allocated)")
+        ps = self.page_size
+        page_of, offset = slots // ps, slots % ps
+        fill = self.page_fill[pages]
+        # per page: how many slots are given and the lowest offset; a tail [k, fill) has
+        # count == fill - k, lowest == k and no offset >= fill
+        count = torch.zeros_like(self.page_fill).index_add_(0, page_of, torch.ones_like(slots))[pages]
+        lowest = torch.full_like(self.page_fill, ps).scatter_reduce_(0, page_of, offset, reduce="amin")[pages]
+        highest = torch.full_like(self.page_fill, -1).scatter_reduce_(0, page_of, offset, reduce="amax")[pages]
+        bad = (highest != fill - 1) | (count != fill - lowest)
+        if bool(bad.any()):
+            raise KVSlotError(f"rollback: full slots {_first(self._slots_in(slots, pages[bad]))} are not the trailing "
+                              f"handed-out slots of their page (page_fill {_first(fill[bad])}): only a request's "
+                              "last slots can be rolled back")
+        emptied = pages[lowest == 0]
+        kept = pages[lowest != 0]
+        self.page_fill[kept] = lowest[lowest != 0]
+        if emptied.numel():
+            swa_pages = self.full_to_swa_page[emptied]
+            self._unmap(emptied[swa_pages != 0])
+            self._full.give_back(emptied)
+            self.page_fill[emptied] = 0
 
     def free_swa(self, full_locs: HostInts) -> None:
         """Free only the SWA slots of the full slots ``full_locs`` (any shape, host or device
@@ -217,18 +274,33 @@ class SWATokenAllocator:
         row's frontier to ``limit``. Afterwards a request holds at most
         ``window + page_size`` positions with live SWA slots. Returns the number of SWA
         slots freed (host int; whole pages).
+
+        ``seq_len`` may not exceed what the row holds: every position in ``[frontier, seq_len)``
+        must hold a live full slot, otherwise ``KVSlotError`` naming the row's length, nothing
+        changed. This reads ``seq_len - frontier`` entries of the row from the device when the
+        call frees something (always under ``ATTNPLUG_VALIDATE=1``); a call that frees nothing
+        reads nothing.
         """
-        if not isinstance(window, int) or window < 1:
-            raise KVSlotError(f"window must be an int >= 1, got {window!r}")
-        if not isinstance(seq_len, int) or not 0 <= seq_len <= rows.max_context_len:
-            raise KVSlotError(f"seq_len must be an int in [0, {rows.max_context_len}], got {seq_len!r}")
+        if not isinstance(rows, ReqToTokenPool):
+            raise TypeError(f"evict_out_of_window: rows must be a ReqToTokenPool, got {type(rows).__name__}")
+        window = host_int(window, "evict_out_of_window: window", lo=1)
+        seq_len = host_int(seq_len, "evict_out_of_window: seq_len", lo=0, hi=rows.max_context_len)
         ps = self.page_size
         frontier = rows.swa_evicted_len(req_row)
         limit = max(0, seq_len - window + 1) // ps * ps
+        if limit <= frontier and not validation_enabled():
+            return 0
+        held = rows.req_to_token[req_row, frontier:seq_len].to("cpu", torch.int64)  # positions to check
+        live = (held >= ps) & (held < self.pool.size + ps)
+        live[live.clone()] = self._full.used[held[live] // ps]
+        if not bool(live.all()):
+            length = frontier + int((~live).to(torch.int8).argmax())
+            raise KVSlotError(f"evict_out_of_window: seq_len={seq_len} is beyond what row {req_row} holds: it holds "
+                              f"{length} positions (req_to_token[{req_row}, {length}] = {int(held[length - frontier])} "
+                              "is not a live full slot); evicting for it would free SWA slots the request still needs")
         if limit <= frontier:
             return 0
-        full_locs = rows.req_to_token[req_row, frontier:limit:ps]  # one slot per page
-        self.free_swa(full_locs)
+        self.free_swa(held[: limit - frontier : ps])  # one slot per page
         rows.set_swa_evicted_len(req_row, limit)
         return limit - frontier
 
@@ -251,6 +323,11 @@ class SWATokenAllocator:
             if free.numel() + used != pool.num_pages:
                 raise InvariantViolation(f"{name} pool: {free.numel()} free + {used} used pages != {pool.num_pages}")
 
+        fill, used = self.page_fill, self._full.used
+        wrong = torch.nonzero(torch.where(used, (fill < 1) | (fill > self.page_size), fill != 0)).flatten()
+        if wrong.numel():
+            raise InvariantViolation(f"full pages {_first(wrong)} have page_fill {_first(fill[wrong])}: a used page "
+                                     f"has 1..{self.page_size} slots handed out, a free page 0")
         f2s, s2f = self.full_to_swa_page, self.swa_to_full_page
         if int(f2s[0]) or int(s2f[0]):
             raise InvariantViolation("page 0 is part of the full -> SWA page mapping")
@@ -291,12 +368,14 @@ class SWATokenAllocator:
         """Every slot of ``pages`` (``[k]`` int64 CPU) in page order: ``[k * page_size]``."""
         return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
 
-    def _take_pages(self, k: int) -> torch.Tensor:
-        """Take ``k`` full pages, give each an SWA page, write the device mapping; returns
-        the full pages (``[k]`` int64 CPU). Raises ``OutOfKVSlots`` before taking anything."""
+    def _take_pages(self, k: int, fill: int = -1) -> torch.Tensor:
+        """Take ``k`` full pages, give each an SWA page, write the device mapping, set their
+        ``page_fill`` to ``fill`` (default: whole pages); returns the full pages (``[k]`` int64
+        CPU). Raises ``OutOfKVSlots`` before taking anything."""
         if k > self._full.free.numel() or k > self._swa.free.numel():
             raise OutOfKVSlots(k * self.page_size, self.full_available_size(), self.swa_available_size())
         full, swa = self._full.take(k), self._swa.take(k)
+        self.page_fill[full] = self.page_size if fill < 0 else fill
         self.full_to_swa_page[full] = swa
         self.swa_to_full_page[swa] = full
         self._write_mapping(self._page_slots(full), self._page_slots(swa))
@@ -322,12 +401,12 @@ class SWATokenAllocator:
     def _full_pages_of(self, full_locs: HostInts, what: str):
         """Validate full slots and return ``(pages, slots)``: the distinct full pages they
         lie in (``[k]`` int64 CPU, sorted) and the slots themselves (flat int64 CPU)."""
-        slots = _host_int64(full_locs, "full_locs")
+        slots = _host_int64(full_locs, f"{what}: full_locs")
         ps = self.page_size
         out = slots[(slots < ps) | (slots >= self.pool.size + ps)]
         if out.numel():
-            raise KVSlotError(f"{what}: full slots {_first(out)} are outside [{ps}, {self.pool.size + ps}) "
-                              "(slot 0 / page 0 is the reserved padding sink)")
+            raise KVSlotError(f"{what}: full_locs {_first(out)} are outside [{ps}, {self.pool.size + ps}) "
+                              "(-1 is 'no slot' and slot 0 / page 0 the padding sink: neither is ever handed out)")
         unique_slots, counts = torch.unique(slots, return_counts=True)
         if bool((counts > 1).any()):
             raise KVSlotError(f"{what}: full slots {_first(unique_slots[counts > 1])} are given more than once")
@@ -339,8 +418,9 @@ class SWATokenAllocator:
 
     def _check_last_loc(self, prefix: torch.Tensor, seq: torch.Tensor, last: torch.Tensor) -> None:
         """``last`` must be -1 exactly where the prefix is empty, otherwise an allocated slot
-        at the page offset of position ``prefix - 1``; a page that will receive new tokens
-        must still have its SWA page."""
+        at the page offset of position ``prefix - 1``. Where new tokens go into ``last``'s
+        page: the page must still have its SWA page, ``last`` must be the page's last
+        handed-out slot (``page_fill``), and no two requests may continue the same page."""
         ps = self.page_size
         empty = prefix == 0
         bad = (empty & (last != -1)) | (~empty & ((last < ps) | (last >= self.pool.size + ps)))
@@ -354,6 +434,19 @@ class SWATokenAllocator:
             raise KVSlotError(f"last_loc {_first(bad)} are not allocated or not at the page offset of their "
                               "position prefix_lens - 1")
         fills = held & (prefix % ps != 0) & (seq > prefix)  # new tokens go into last_loc's page
-        bad = last[fills][self.full_to_swa_page[last[fills] // ps] == 0]
+        filled = last[fills]
+        pages = filled // ps
+        bad = filled[self.full_to_swa_page[pages] == 0]
         if bad.numel():
             raise KVSlotError(f"the pages of last_loc {_first(bad)} lost their SWA page; they cannot take new tokens")
+        frontier = pages * ps + self.page_fill[pages] - 1  # the last handed-out slot of each page
+        bad = filled != frontier
+        if bool(bad.any()):
+            raise KVSlotError(f"last_loc {_first(filled[bad])} is not the last handed-out slot of its page "
+                              f"(that is {_first(frontier[bad])}): a continuation must start from the request's own "
+                              "last slot, and never hands out a slot twice")
+        unique_pages, counts = torch.unique(pages, return_counts=True)
+        if bool((counts > 1).any()):
+            shared = filled[torch.isin(pages, unique_pages[counts > 1])]
+            raise KVSlotError(f"last_loc {_first(shared)}: several requests continue the same page in one call; "
+                              "a partial page belongs to one request")

@@ -2,8 +2,10 @@
 
 * ``OutOfKVSlots``: an allocation needs more slots than one of the two pools has free; it
   carries both counts so the scheduler can tell which pool is short.
-* ``KVSlotError``: a caller error (double free, freeing slots never handed out, slot 0,
-  malformed arguments); raised before anything changes.
+* ``KVSlotError``: a caller error (double free, freeing slots never handed out, slot 0 or
+  -1 where a slot is expected, a continuation from a slot that is not the request's last,
+  eviction beyond what a row holds, bools / floats where integers are expected, malformed
+  arguments); raised before anything changes.
 * ``OutOfReqSlots``: every row of the request table is in use.
 * ``InvariantViolation``: ``SWATokenAllocator.check_invariants`` found inconsistent state.
 """
@@ -36,8 +38,11 @@ class OutOfKVSlots(RuntimeError):
 
 class KVSlotError(ValueError):
     """A slot or request-row operation was called with arguments it cannot honour: a double
-    free, slots that were never allocated, slot/row 0, out-of-range values or malformed
-    arguments. The message names (the first few of) the offending slots. Nothing changed."""
+    free, slots that were never allocated, slot/row 0, -1 where a slot is expected,
+    out-of-range values, a ``last_loc`` that is not the request's own last slot, an eviction
+    ``seq_len`` beyond what the row holds, bools or floats where integers are expected, or
+    malformed arguments. The message names the argument and (the first few of) the offending
+    values. Nothing changed: pools, mapping, free lists and the request table are as before."""
 
 
 class OutOfReqSlots(RuntimeError):

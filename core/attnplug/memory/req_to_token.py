@@ -5,18 +5,25 @@ handed out: padded requests of a captured graph point at it, and it stays all ze
 is the padding sink of both KV pools). The engine writes a request's slots into its row
 after allocating them; backends read rows on the device.
 
+A row holds position ``p`` while ``req_to_token[row, p]`` is a live full slot. The engine
+must zero (or overwrite) the positions a request drops, e.g. rejected draft tokens whose
+slots it frees: eviction refuses a ``seq_len`` beyond the positions a row holds.
+
 Each row also carries its SWA eviction frontier (host): the number of leading positions
 whose SWA slots ``SWATokenAllocator.evict_out_of_window`` already freed. It is reset when
 the row is freed.
+
+Rows are ints: bools, floats, row 0, rows past ``max_reqs`` and rows not in use are refused
+with ``KVSlotError`` naming the row.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import List
 
 import torch
 
+from .args import first, host_int, host_ints
 from .errors import KVSlotError, OutOfReqSlots
 
 __all__ = ["ReqToTokenPool"]
@@ -35,10 +42,8 @@ class ReqToTokenPool:
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device) -> None:
-        if not isinstance(max_reqs, int) or max_reqs < 2:
-            raise ValueError(f"max_reqs must be an int >= 2 (row 0 is reserved), got {max_reqs!r}")
-        if not isinstance(max_context_len, int) or max_context_len < 1:
-            raise ValueError(f"max_context_len must be a positive int, got {max_context_len!r}")
+        max_reqs = host_int(max_reqs, "max_reqs (row 0 is reserved)", lo=2, error=ValueError)
+        max_context_len = host_int(max_context_len, "max_context_len", lo=1, error=ValueError)
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.device = torch.device(device)
@@ -73,6 +78,20 @@ class ReqToTokenPool:
         """Number of free rows (host int)."""
         return len(self._free_rows)
 
+    def check_in_use(self, rows, name: str = "req_pool_indices", *, allow_padding_row: bool = False) -> None:
+        """Raise ``KVSlotError`` naming ``name`` unless every entry of ``rows`` (host ints or a
+        tensor of any device and shape; a device tensor is copied to the host, which syncs) is a
+        row in use. ``allow_padding_row``: row 0, which padded requests of a captured graph
+        point at, is accepted too. Changes nothing."""
+        values = host_ints(rows, name)
+        in_use = torch.tensor(self._in_use, dtype=torch.bool)
+        inside = (values >= 0) & (values < self.max_reqs)
+        ok = inside.clone()
+        ok[inside] = in_use[values[inside]] | (allow_padding_row & (values[inside] == 0))
+        if not bool(ok.all()):
+            raise KVSlotError(f"{name} holds rows {first(values[~ok])} that are not request rows in use "
+                              f"(freed, never allocated, or outside [1, {self.max_reqs}))")
+
     def swa_evicted_len(self, row: int) -> int:
         """Eviction frontier of ``row`` (host int): positions ``[0, frontier)`` of the row
         have had their SWA slots freed."""
@@ -81,16 +100,12 @@ class ReqToTokenPool:
     def set_swa_evicted_len(self, row: int, length: int) -> None:
         """Set the eviction frontier of ``row`` (called by the allocator after evicting)."""
         row = self._check_used(row)
-        if not 0 <= length <= self.max_context_len:
-            raise KVSlotError(f"eviction frontier {length} of row {row} is outside [0, {self.max_context_len}]")
-        self._swa_evicted_len[row] = length
+        self._swa_evicted_len[row] = host_int(length, f"eviction frontier of row {row}", lo=0, hi=self.max_context_len)
 
     def _check_used(self, row) -> int:
-        """``row`` as a host int, after checking that it is a handed-out row."""
-        try:
-            index = operator.index(row)
-        except TypeError:
-            raise KVSlotError(f"request row must be an int, got {row!r}") from None
+        """``row`` as a host int, after checking that it is a handed-out row (an int, not a
+        bool, in ``[1, max_reqs)``, in use)."""
+        index = host_int(row, "request row")
         if not 0 < index < self.max_reqs:
             raise KVSlotError(f"request row {index} is outside [1, {self.max_reqs}) (row 0 is reserved)")
         if not self._in_use[index]:

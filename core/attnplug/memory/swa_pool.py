@@ -6,9 +6,23 @@ to by a sliding-window layer it also owns an SWA-pool slot, found through
 ``full_to_swa_index_mapping``; once it falls out of every future query's window the
 allocator frees the SWA slot and sets the mapping entry to 0.
 
-Slot 0 of both pools (page 0 when ``page_size > 1``) is never handed out: padded tokens
-write their KV there. The mapping has one extra entry at the end holding -1, so that a
-full slot of -1 (SGLang's "no slot") translates to -1.
+Slot values (both pools; ``P = page_size``, ``S`` = ``size`` or ``size_swa``):
+
+* ``[P, S + P)``: usable slots, live only while the allocator has handed them out;
+* ``0`` (page 0, ``[0, P)``): the padding sink. Never handed out; padded tokens of a captured
+  graph write their KV there, so its content is unspecified and is never read as a key;
+* ``-1``: "no slot". The token's KV is not kept. The mapping translates -1 to -1, and
+  ``set_kv_buffer`` never writes it: on host tensors the token is skipped, on an accelerator
+  (where skipping would need a host read) it is redirected to the sink. The allocator never
+  hands out -1 and refuses it wherever a slot is expected (``free``, ``free_swa``);
+  ``last_loc = -1`` means "empty prefix".
+* anything else is out of range: refused with ``KVSlotError`` on host tensors; on an
+  accelerator ``translate_loc_from_full_to_swa`` turns it into -1 and ``set_kv_buffer``
+  redirects it to the sink, so no device op ever indexes outside a pool. Set
+  ``ATTNPLUG_VALIDATE=1`` to have batches checked (with a host read) before they get here.
+
+The KV dtype is a floating type the backends can serve: float16, bfloat16, float32 or
+float64 (integer, bool, complex and float8 pools are refused).
 
 This class owns the tensors only; ``SWATokenAllocator`` decides which slots are live.
 Nothing here reads device values on the host.
@@ -20,7 +34,18 @@ from typing import FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["SWAKVPool"]
+from .args import first, host_int
+from .errors import KVSlotError
+
+__all__ = ["SWAKVPool", "KV_DTYPES"]
+
+#: the KV dtypes a pool accepts (the backends' attention and store paths serve these)
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _values_on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read without a device sync (a CPU tensor)."""
+    return t.device.type == "cpu"
 
 
 class SWAKVPool:
@@ -51,19 +76,21 @@ class SWAKVPool:
         device,
         page_size: int = 1,
     ) -> None:
-        for name, value in (("page_size", page_size), ("num_layers", num_layers),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        page_size, num_layers, num_kv_heads, head_dim = (
+            host_int(value, name, lo=1, error=ValueError)
+            for name, value in (("page_size", page_size), ("num_layers", num_layers),
+                                ("num_kv_heads", num_kv_heads), ("head_dim", head_dim))
+        )
         for name, value in (("size", size), ("size_swa", size_swa)):
-            if not isinstance(value, int) or value < 1 or value % page_size:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % page_size:
                 raise ValueError(f"{name} must be a positive multiple of page_size={page_size}, got {value!r}")
-        swa_layer_ids = frozenset(swa_layer_ids)
-        bad = sorted(i for i in swa_layer_ids if not (isinstance(i, int) and 0 <= i < num_layers))
+        swa_layer_ids = list(swa_layer_ids)
+        bad = [i for i in swa_layer_ids if isinstance(i, bool) or not (isinstance(i, int) and 0 <= i < num_layers)]
         if bad:
-            raise ValueError(f"swa_layer_ids {bad} are not layer ids in [0, {num_layers})")
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+            raise ValueError(f"swa_layer_ids {bad} are not layer ids (ints in [0, {num_layers}))")
+        swa_layer_ids = frozenset(swa_layer_ids)
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"dtype must be one of {[str(d) for d in KV_DTYPES]} (a floating KV dtype), got {dtype!r}")
 
         self.size = size
         self.size_swa = size_swa
@@ -115,9 +142,12 @@ class SWAKVPool:
     # ------------------------------------------------------------------ hot path
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
         """SWA slots of the full slots ``loc`` (any shape, int32/int64, device): a device
-        gather returning int32 of ``loc``'s shape; 0 where no SWA slot is live, -1 for -1.
+        gather returning int32 of ``loc``'s shape; 0 where no SWA slot is live, -1 for -1 and
+        for any value outside ``[-1, size + page_size)`` (never an out-of-bounds read).
         No host sync. Call it once per step (metadata preparation), never per layer."""
-        return self.full_to_swa_index_mapping[loc]
+        mapping = self.full_to_swa_index_mapping
+        safe = torch.where((loc >= -1) & (loc < mapping.shape[0] - 1), loc, -1)
+        return mapping[safe]
 
     def set_kv_buffer(
         self,
@@ -132,31 +162,56 @@ class SWAKVPool:
         ``loc``: ``[n]`` full slots (int32/int64, device); ``k``, ``v``:
         ``[n, num_kv_heads, head_dim]`` of the pool's dtype, device; ``swa_loc``: ``[n]`` SWA
         slots (int32/int64, device), REQUIRED on SWA layers — the step's hoisted
-        ``swa_out_cache_loc``; full layers write at ``loc`` and ignore it. Shapes and dtypes
-        are checked on the host; device values are never read.
+        ``swa_out_cache_loc``; full layers write at ``loc`` and ignore it.
+
+        Slot values (see the module docstring): ``-1`` ("no slot") is never written; any value
+        outside ``[-1, num_slots(layer_id))`` is refused. Shapes and dtypes are always checked
+        on the host (``KVSlotError`` naming the argument, nothing written). Slot VALUES are
+        checked only where they already are on the host (CPU tensors: out-of-range values are
+        refused, -1 entries skipped); device values are never read: -1 and out-of-range
+        entries are redirected to the padding sink by a device ``where``, so nothing outside
+        the layer's buffer or in a live slot other than the given ones is written.
         """
         is_swa = self.is_swa_layer(layer_id)
         if is_swa and swa_loc is None:
-            raise ValueError(
+            raise KVSlotError(
                 f"layer {layer_id} is an SWA layer: set_kv_buffer needs swa_loc, the step's hoisted "
                 "swa_out_cache_loc (translated once per step); the pool never translates per layer"
             )
+        for name, t in (("k", k), ("v", v), ("loc", loc), ("swa_loc", swa_loc)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise KVSlotError(f"layer {layer_id}: {name} must be a tensor, got {type(t).__name__} {t!r}")
         n = k.shape[0]
         expected = (n, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != expected or t.dtype != self.dtype:
-                raise ValueError(
+                raise KVSlotError(
                     f"layer {layer_id}: {name} must be {list(expected)} {self.dtype}, got {list(t.shape)} {t.dtype}"
                 )
-        index = swa_loc if is_swa else loc
         for name, t in (("loc", loc), ("swa_loc", swa_loc)):
             if t is not None and (t.dim() != 1 or t.shape[0] != n or t.dtype not in (torch.int32, torch.int64)):
-                raise ValueError(
+                raise KVSlotError(
                     f"layer {layer_id}: {name} must be [{n}] int32/int64, got {list(t.shape)} {t.dtype}"
                 )
+        num_slots = self.num_slots(layer_id)
+        checked = [("loc", loc, self.size + self.page_size)]
+        if is_swa:
+            checked.append(("swa_loc", swa_loc, num_slots))
+        for name, t, limit in checked:
+            if _values_on_host(t):
+                bad = t[(t < -1) | (t >= limit)]
+                if bad.numel():
+                    raise KVSlotError(f"layer {layer_id}: {name} holds slots {first(bad)} outside [-1, {limit}) "
+                                      "(-1 = no slot, never written; 0 = the padding sink)")
+        index = swa_loc if is_swa else loc
+        if _values_on_host(index):
+            keep = index != -1
+            if not bool(keep.all()):
+                index, k, v = index[keep], k[keep], v[keep]
+        else:
+            index = torch.where((index >= 0) & (index < num_slots), index, 0)
         self.k_buffer[layer_id][index] = k
         self.v_buffer[layer_id][index] = v
 
     def _check_layer(self, layer_id: int) -> None:
-        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
-            raise ValueError(f"layer_id {layer_id!r} is outside [0, {self.num_layers})")
+        host_int(layer_id, "layer_id", lo=0, hi=self.num_layers - 1)

@@ -9,8 +9,14 @@ Public API (also reachable lazily from ``attnplug``):
 * ``hookimpl`` (for plugin authors), ``PLUGIN_API_VERSION``, ``ProbeResult``;
 * errors ``RegistryError`` > ``BackendNotFound`` / ``BackendUnavailable`` / ``AmbiguousBackend``;
 * for tests and tools: ``load_registry(...)``, ``get_registry()``, ``reset_registry()``.
+
+Plugin code cannot break selection (``containment``): failures are recorded, probes and
+``describe()`` run under ``$ATTNPLUG_PROBE_TIMEOUT`` seconds, registry calls from plugin code
+raise ``RegistryError``. The attnplug distribution's own backend names cannot be taken by another
+distribution (``discovery``).
 """
 
+from .containment import DEFAULT_PROBE_TIMEOUT, ENV_PROBE_TIMEOUT
 from .hookspecs import AttnplugHookspecs, hookimpl, hookspec
 from .records import (
     AmbiguousBackend,
@@ -44,9 +50,11 @@ __all__ = [
     "BackendNotFound",
     "BackendRecord",
     "BackendUnavailable",
+    "DEFAULT_PROBE_TIMEOUT",
     "ENTRY_POINT_GROUP",
     "ENV_BACKEND",
     "ENV_PLUGINS",
+    "ENV_PROBE_TIMEOUT",
     "PLUGIN_API_VERSION",
     "PluginError",
     "ProbeResult",

@@ -54,8 +54,12 @@ class AttnplugHookspecs:
 
         ``name`` (str)
             The backend's registry name: what ``get_backend(name)``, ``ATTNPLUG_BACKEND`` and
-            ``attnplug info`` use. Unique across all plugins: a second registration of a taken
-            name is rejected (and reported); the first one, in discovery order, keeps it.
+            ``attnplug info`` use. The names of attnplug's own plugins (``reference`` and the
+            entry-point names of the attnplug distribution) belong to it: another distribution's
+            registration of one is refused and reported, whatever the loading order or the
+            environment. A name registered by two other plugins is given to neither: both are
+            reported and selecting the name fails with a reason naming both. A plugin that
+            calls ``register`` twice with one name fails as a whole.
             By convention it equals the entry-point name, so that a plugin that fails to load
             can still be reported when the user asks for it by name.
 
@@ -77,8 +81,11 @@ class AttnplugHookspecs:
               need a context);
             * may import vendor modules (lazily, inside the probe) and must be cheap: it runs
               for ``attnplug info`` and for automatic backend selection;
-            * may raise: the exception is caught and reported as the reason the backend is
-              unavailable. It is run at most once per registry.
+            * may raise: the exception (``SystemExit`` included) is caught and reported as the
+              reason the backend is unavailable. It is run at most once per registry, in a
+              thread of its own, under a time limit (``ATTNPLUG_PROBE_TIMEOUT`` seconds, default
+              10): a probe that takes longer makes the backend unavailable ("probe timed out
+              after N s") and is left running in the background, its answer ignored.
 
         ``priority`` (int)
             Used only when no backend is named (neither ``get_backend(name)`` nor
@@ -92,9 +99,13 @@ class AttnplugHookspecs:
         with the reason; minor versions are compatible.
 
         Isolation: each plugin is loaded and called on its own. If importing it or this hook
-        raises, none of its registrations are kept, the error is recorded (``attnplug info``
-        shows it) and every other plugin loads normally. A backend is an error only when the
-        user selects it; the error carries the recorded reason.
+        raises (anything but ``KeyboardInterrupt``, ``SystemExit`` included), none of its
+        registrations are kept, the error is recorded (``attnplug info`` shows it) and every
+        other plugin loads normally. A backend is an error only when the user selects it; the
+        error carries the recorded reason. Plugin code (its import, this hook, a probe, the
+        backend module's import, ``describe()``) must not call the registry
+        (``attnplug.get_backend()``, ``available_backends()``, ...): such a call raises
+        ``RegistryError``.
 
         The return value is ignored.
         """

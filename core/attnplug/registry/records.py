@@ -72,11 +72,16 @@ class PluginError:
     * ``"disabled"``: not loaded, because ``ATTNPLUG_PLUGINS`` does not name it;
     * ``"import"``: importing the entry point raised;
     * ``"api-version"``: no ``PLUGIN_API_VERSION``, a malformed one, or another major;
-    * ``"invalid"``: pluggy rejected the plugin (bad hook signature, unknown hook, registered
-      twice), or it registered no backend;
+    * ``"invalid"``: its entry-point value is malformed, pluggy rejected the plugin (bad hook
+      signature, unknown hook, registered twice), or it registered no backend;
     * ``"hook"``: its ``attnplug_register_backends`` raised (none of its registrations kept);
-    * ``"duplicate"``: it registered a backend name that was already taken (``backend`` names
-      it; the first registration keeps the name).
+    * ``"duplicate"``: it registered a backend name another third-party plugin registered too
+      (``backend`` names it); neither keeps the name, each error names every claimant;
+    * ``"reserved"``: it used a name that belongs to the attnplug distribution: a backend name
+      of a built-in plugin (``backend`` names it; the registration is refused) or a built-in
+      entry-point name (the plugin is not imported);
+    * ``"distribution"``: a distribution is visible more than once on ``sys.path`` and the
+      copies differ (``plugin`` is the distribution's name); the reason says which copy is used.
     """
 
     plugin: str

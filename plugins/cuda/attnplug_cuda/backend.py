@@ -27,6 +27,7 @@ import torch
 
 from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
 from attnplug.batch import ForwardBatch
+from attnplug.validate import validation_enabled
 
 from .device import cuda_graph, strict_sync_guard
 
@@ -97,6 +98,7 @@ class CudaBackend(AttentionBackend):
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
         self._graph_buffers: Optional[Dict[str, torch.Tensor]] = None
         self._graph_tables: Dict[Tuple[int, int], _StepTables] = {}
+        self._validate_replay = False
         # Row b of the window table belongs to request b: rows for as many requests as a step
         # can hold (eager: live requests; graphs: padded buckets, see init_cuda_graph_state).
         self._table_rows = torch.arange(req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device)
@@ -178,12 +180,25 @@ class CudaBackend(AttentionBackend):
             pdl=self.pdl,
         )
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        bs, T, dev = batch.batch_size, batch.num_tokens, self.device
+    @staticmethod
+    def _max_q_len(batch: ForwardBatch) -> int:
+        """Most new tokens of one request, from host data only: the uniform q_len, else the
+        host mirror or the host tensor of the extend lens (ForwardBatch guarantees one of
+        them in EXTEND mode), else the step's token count (an upper bound)."""
         if batch.q_len is not None:
-            max_q = batch.q_len
-        else:  # EXTEND: extend lens are known on the host by ForwardBatch's contract
-            max_q = max(batch.extend_seq_lens_cpu or [1])
+            return batch.q_len
+        host_ext = batch.extend_seq_lens_cpu
+        ext = batch.extend_seq_lens
+        if host_ext is None and ext is not None and ext.device.type == "cpu":
+            host_ext = ext.tolist()  # a host tensor: no device read
+        if host_ext:
+            return max(host_ext)
+        return max(batch.num_tokens, 1)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self.check_batch(batch)
+        bs, T, dev = batch.batch_size, batch.num_tokens, self.device
+        max_q = self._max_q_len(batch)
         i32 = dict(dtype=torch.int32, device=dev)
         t = _StepTables(
             max_q_len=max_q,
@@ -197,6 +212,7 @@ class CudaBackend(AttentionBackend):
         if bs:
             self._fill(batch, t)
         self.forward_metadata = t
+        self._note_prepared_batch(batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         dev = self.device
@@ -217,6 +233,8 @@ class CudaBackend(AttentionBackend):
             self._table_rows = torch.arange(max_bs, dtype=torch.int32, device=dev)
         self._graph_buffers = buffers
         self._graph_tables = {}
+        # Read once here, not per replay: the replay path does no new host work by default.
+        self._validate_replay = validation_enabled()
 
     def _graph_views(self, batch: ForwardBatch) -> _StepTables:
         if self._graph_buffers is None:
@@ -258,8 +276,11 @@ class CudaBackend(AttentionBackend):
         t = self._graph_views(batch)
         t.relaunch, t.relaunch_key = self._fill(batch, t), self._launch_key(batch)
         self.forward_metadata = t
+        self._note_prepared_batch(batch)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        if self._validate_replay:  # ATTNPLUG_VALIDATE=1 at init_cuda_graph_state: reads (syncs)
+            self.check_batch(batch, read_device=True)
         t = self._graph_views(batch)
         key = self._launch_key(batch)
         if t.relaunch is not None and key == t.relaunch_key:
@@ -267,6 +288,7 @@ class CudaBackend(AttentionBackend):
         else:
             t.relaunch, t.relaunch_key = self._fill(batch, t), key
         self.forward_metadata = t
+        self._note_prepared_batch(batch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -281,13 +303,10 @@ class CudaBackend(AttentionBackend):
             self._kv_store_triton(k, v, k_cache, v_cache, loc, pdl=self.pdl)
 
     def _step_tables(self, q: torch.Tensor, batch: ForwardBatch) -> _StepTables:
-        """This step's tables, after checking q against the batch (host-side only)."""
+        """This step's tables (the last metadata call's)."""
         t = self.forward_metadata
         if t is None:
             raise RuntimeError("forward() before init_forward_metadata() for this step")
-        T = batch.num_tokens
-        if tuple(q.shape) != (T, self.num_heads, self.head_dim):
-            raise ValueError(f"q must be [{T}, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
         return t
 
     def _attend(self, q, k_cache, v_cache, is_swa: bool, batch: ForwardBatch, t: _StepTables,
@@ -312,6 +331,7 @@ class CudaBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
         t = self._step_tables(q, batch)
+        self.check_forward_inputs(q, k, v, batch, save_kv_cache)
         is_swa = self.pool.is_swa_layer(layer_id)
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
         if save_kv_cache:

@@ -324,7 +324,7 @@ def try_load_kv_store_ext() -> Optional[ModuleType]:
 
 def kv_store(k, v, k_cache, v_cache, loc, pdl: bool = False) -> bool:
     """``k_cache[loc[t]] = k[t]; v_cache[loc[t]] = v[t]`` for every token ``t`` on the current
-    CUDA stream (in place, no sync; slots outside ``[0, num_slots)`` are skipped).
+    CUDA stream (in place, no sync; slots outside ``[1, num_slots)`` are skipped).
 
     k, v: ``[T, Hkv, D]`` fp16/bf16/fp32 with dense ``[Hkv, D]`` rows (token stride free);
     caches: ``[S, Hkv, D]``, same dtype and device; loc: ``[T]`` int32 or int64, contiguous.

@@ -1,7 +1,9 @@
 """The CUDA device's parts the core asks a plugin for: a graph and a sync guard.
 
 * ``cuda_graph()``: a ``DeviceGraph`` over ``torch.cuda.CUDAGraph`` (core's ``StreamGraph``:
-  warm-up on a side stream, capture into a shared pool). Stream capture keeps the
+  garbage collector paused, warm-up on a side stream, capture into a shared pool; a failed
+  capture is ended, its pool recording stopped through the caching allocator's
+  ``endAllocateToPool`` / ``releasePool`` and the pool retired). Stream capture keeps the
   programmatic (PDL) edges between kernels.
 * ``strict_sync_guard()``: any host-device synchronisation inside the block raises
   (``torch.cuda.set_sync_debug_mode("error")``).
@@ -16,13 +18,19 @@ from typing import Iterator
 
 import torch
 
-from attnplug.graphs import StreamGraph
+from attnplug.graphs import PoolOps, StreamGraph
 
 __all__ = ["cuda_graph", "strict_sync_guard"]
 
 
+def _pool_ops() -> PoolOps:
+    # The caching allocator's calls that torch.cuda.graph's exit makes (or, after a failed
+    # cudaStreamEndCapture, may skip) and CUDAGraph.reset makes.
+    return PoolOps(end_recording=torch._C._cuda_endAllocateToPool, release=torch._C._cuda_releasePool)
+
+
 def cuda_graph() -> StreamGraph:
-    return StreamGraph(torch.cuda, torch.cuda.CUDAGraph)
+    return StreamGraph(torch.cuda, torch.cuda.CUDAGraph, pool_ops=_pool_ops())
 
 
 @contextlib.contextmanager

@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock) kv_store_kernel(const KvS
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * a.tokens_per_block + group;
        t < a.num_tokens; t += token_step) {
     const int64_t slot = static_cast<int64_t>(loc[t]);
-    if (slot < 0 || slot >= a.num_slots) {
-      continue;  // never write outside the cache
+    if (slot < 1 || slot >= a.num_slots) {
+      continue;  // the sink (0), "no slot" (-1) and garbage: never written (as the Triton store)
     }
     const VecT* __restrict__ k_row = k + t * a.k_stride;
     const VecT* __restrict__ v_row = v + t * a.v_stride;

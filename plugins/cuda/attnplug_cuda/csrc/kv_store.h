@@ -6,13 +6,14 @@
 //
 // Semantics, for every new token t in [0, num_tokens):
 //     slot = loc[t]
-//     if 0 <= slot < num_slots:
+//     if 1 <= slot < num_slots:
 //         k_cache[slot, :] = k[t, :]      (row_elems elements)
 //         v_cache[slot, :] = v[t, :]
-// Slots outside [0, num_slots) are skipped (never written): the kernel cannot
+// Slots outside [1, num_slots) are skipped (never written): the kernel cannot
 // raise without a host sync, and writing outside the step's slots is the one
 // thing a KV store must never do. Slot 0 is the padding sink of the attnplug
-// pools, so padded tokens (loc 0) land there harmlessly.
+// pools (padded tokens point there) and -1 means "no slot": neither is
+// written. The Triton store (kernels/kv_store.py) applies the same rule.
 //
 // Rows are copied bit for bit; the dtype only fixes the element size.
 // Strides are in ELEMENTS between consecutive rows (tokens for k/v, slots for

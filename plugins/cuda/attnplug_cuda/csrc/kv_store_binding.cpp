@@ -5,8 +5,9 @@
 //   k_cache, v_cache   [S, Hkv, D]   same dtype; written in place
 //   loc                [T]           int32 or int64 cache slots
 //   For each t: k_cache[loc[t]] = k[t]; v_cache[loc[t]] = v[t]. Slots outside
-//   [0, S) are skipped. Returns whether the launch used PDL (pdl requested
-//   and the kernel image on this device is sm_90+).
+//   [1, S) are skipped: 0 (the padding sink), -1 (no slot) and garbage.
+//   Returns whether the launch used PDL (pdl requested and the kernel image on
+//   this device is sm_90+).
 // Each [Hkv, D] row must be dense; the row (token / slot) stride is free, so a
 // slice of a larger buffer works without a copy. Nothing here syncs, so the
 // call is safe inside CUDA graph capture.
@@ -143,7 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnplug CUDA C++ kernels: KV store with Programmatic Dependent Launch";
   m.def("kv_store", &kv_store,
         "k_cache[loc[t]] = k[t]; v_cache[loc[t]] = v[t] for every token t, in place, on the "
-        "current CUDA stream. Slots outside [0, num_slots) are skipped. Returns whether PDL "
+        "current CUDA stream. Slots outside [1, num_slots) are skipped. Returns whether PDL "
         "was used.",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("loc"),
         py::arg("pdl") = false);

@@ -18,9 +18,10 @@ loc         [T] int32 or int64           cache slot of each token: the hoisted i
                                          ``out_cache_loc`` on full layers
 ==========  ===========================  ==============================================
 
-Padded tokens carry slot 0 (the padding sink) and are written there like any other token. A
-negative slot (the ``-1`` that ``full_to_swa_index_mapping`` keeps for ``-1``) means "no
-slot": that token is skipped rather than written out of bounds.
+A token is stored only when its slot is in ``[1, S)``. Everything else is skipped, on the
+device, with no host check: slot 0 (the padding sink, where padded tokens point), ``-1`` ("no
+slot", what ``full_to_swa_index_mapping`` gives for ``-1``) and any garbage value, negative
+or ``>= S``. The CUDA C++ store (``csrc/kv_store.cu``) applies the same rule.
 
 PDL: the kernel waits (``gdc_wait``) before reading k, v or loc, which its predecessor (the
 projection, the step's metadata) wrote, and releases its dependents after its stores.
@@ -49,6 +50,7 @@ def _kernel(
     KCache,
     VCache,
     Loc,
+    num_slots,  # S: rows of the cache
     stride_kt,
     stride_vt,
     HD: tl.constexpr,  # Hkv * D: one cache row
@@ -60,7 +62,7 @@ def _kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     slot = tl.load(Loc + t).to(tl.int64)
-    if slot >= 0:
+    if (slot >= 1) & (slot < num_slots):  # the sink, -1 and garbage are skipped
         k_row = K + t * stride_kt
         v_row = V + t * stride_vt
         kc_row = KCache + slot * HD
@@ -92,7 +94,8 @@ def kv_store(
     *,
     pdl: bool = False,
 ) -> None:
-    """Write ``k[t]`` / ``v[t]`` (all kv heads) into ``k_cache[loc[t]]`` / ``v_cache[loc[t]]``.
+    """Write ``k[t]`` / ``v[t]`` (all kv heads) into ``k_cache[loc[t]]`` / ``v_cache[loc[t]]``
+    for every ``t`` with ``1 <= loc[t] < S``; other tokens are skipped.
 
     One launch, one program per token; nothing is read back to the host. ``pdl=True`` only
     where ``pdl_supported(device)`` said so.
@@ -128,6 +131,7 @@ def kv_store(
         k_cache,
         v_cache,
         loc,
+        k_cache.shape[0],
         k.stride(0),
         v.stride(0),
         HD=hd,

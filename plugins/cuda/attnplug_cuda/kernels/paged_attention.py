@@ -31,6 +31,11 @@ attends to keys ``lo <= j <= p`` with ``lo = max(0, p - W + 1)`` under a window 
 softmax runs in base 2 with ``log2(e)`` folded into the scale, accumulation is fp32, the
 output has q's dtype. A query with no valid key (a padded request) outputs zeros.
 
+Out-of-range indices never read outside the tensors: a ``table_rows`` entry outside
+``[0, R)`` reads row 0, and a table entry outside ``[1, S)`` (0 = the padding sink, -1 = no
+slot) is no key: its K/V rows are not loaded and it contributes exactly zero, whatever the
+sink holds (NaN and Inf included).
+
 Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV split):
 
 * rows are (token, q head of the kv head's group) pairs flattened, so the ``G`` query heads
@@ -89,35 +94,37 @@ ensure_interpreter_compat()
 
 @triton.jit
 def _attend_block(
-    acc, l_i, m_i, q, scale, start, s_hi, pos, lo, t_row, t_start, table_width, K, V, kv_stride, kv_col, d_valid,
+    acc, l_i, m_i, q, scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V, kv_stride, kv_col,
+    d_valid,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_QSCALE: tl.constexpr,
-    EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One block of BLOCK_N keys from ``start``: online-softmax update of (acc, l, m).
-    MASKED=False only for blocks that every row sees whole (no causal / window / range mask)."""
+    MASKED=False only for blocks that every row sees whole (no causal / window / range mask).
+    A column whose slot is outside ``[1, num_slots)`` (the sink 0, -1 "no slot", garbage) is
+    no key in both kinds of block: its K/V are never loaded (masked loads, zeros) and its
+    logit is -inf (a bias folded into the scaling multiply-add), so it contributes exactly
+    zero whatever the sink holds."""
     offs_n = start + tl.arange(0, BLOCK_N)
     col = offs_n - t_start
     if MASKED:
         in_range = offs_n < s_hi
         slot = tl.load(t_row + col, mask=in_range & (col >= 0) & (col < table_width), other=0)
-        kv_mask = in_range[:, None] & d_valid[None, :]
     else:
-        slot = tl.load(t_row + col, mask=col < table_width, other=0)
-        kv_mask = d_valid[None, :]
+        slot = tl.load(t_row + col, mask=(col >= 0) & (col < table_width), other=0)
+    has_key = (slot >= 1) & (slot < num_slots)
+    kv_mask = has_key[:, None] & d_valid[None, :]
+    no_key = tl.where(has_key, 0.0, float("-inf"))
     kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-    if MASKED or not EVEN_D:
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(K + kv_off)
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if HAS_QSCALE:
-        qk = qk * scale[:, None]
+        qk = qk * scale[:, None] + no_key[None, :]
     else:
-        qk = qk * scale
+        qk = qk * scale + no_key[None, :]
     if MASKED:
         keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
         if HAS_WINDOW:
@@ -127,10 +134,7 @@ def _attend_block(
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED or not EVEN_D:
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-    else:
-        v = tl.load(V + kv_off)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -159,6 +163,8 @@ def _attn_kernel(
     stride_oh,
     stride_table,
     table_width,
+    table_rows_len,  # R: rows of the table
+    num_slots,  # S: rows of the cache
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -194,7 +200,6 @@ def _attn_kernel(
     pos = seq_len - q_len + tok  # position of each row's token
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     rd_mask = row_valid[:, None] & d_valid[None, :]
 
     # key range of the program: from the first token's lower bound to the last token's position
@@ -224,7 +229,9 @@ def _attn_kernel(
     else:
         scale = qk_scale
 
-    t_row = Table + tl.load(TableRows + b).to(tl.int64) * stride_table
+    t_idx = tl.load(TableRows + b).to(tl.int64)
+    t_idx = tl.where((t_idx >= 0) & (t_idx < table_rows_len), t_idx, 0)  # outside the table: row 0
+    t_row = Table + t_idx * stride_table
     if HAS_TABLE_START:
         t_start = tl.load(TableStart + b).to(tl.int32)
     else:
@@ -248,21 +255,21 @@ def _attn_kernel(
         i1 = tl.minimum(tl.maximum(i1, i0), n_blocks)
         for i in range(0, i0):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, EVEN_D, PRECISION)
+                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, PRECISION)
         for i in range(i0, i1):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, HAS_QSCALE, EVEN_D, PRECISION)
+                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, HAS_QSCALE, PRECISION)
         for i in range(i1, n_blocks):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, EVEN_D, PRECISION)
+                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, PRECISION)
     else:
         for start in range(s_lo, s_hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, start, s_hi, pos, lo, t_row, t_start, table_width, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, EVEN_D, PRECISION)
+                acc, l_i, m_i, q, scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V,
+                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -486,7 +493,7 @@ def paged_attention(
         window if window is not None else 0,
         hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        table.stride(0), table.shape[1],
+        table.stride(0), table.shape[1], table.shape[0], k_cache.shape[0],
         G=G, HEAD_DIM=D, BLOCK_D=block_d,
         BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits,
         HAS_WINDOW=window is not None, HAS_QSCALE=q_scale is not None, HAS_TABLE_START=table_start is not None,

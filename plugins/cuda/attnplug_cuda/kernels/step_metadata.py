@@ -10,8 +10,8 @@ Outputs (``bs`` requests, ``T`` new tokens, ``q_len_b`` new tokens of request ``
 output                 shape / dtype        value
 =====================  ===================  ===============================================
 swa_out_cache_loc      [L >= T] int32       ``[:T] = full_to_swa_index_mapping[out_cache_loc]``
-                                            (negative slots wrap like torch indexing, so
-                                            -1 maps to the mapping's last entry, -1);
+                                            where ``0 <= out_cache_loc < M``, else -1 ("no
+                                            slot": -1 itself and any garbage; nothing wraps);
                                             ``[T:] = 0`` (graph buffers are longer)
 cu_q_lens              [bs + 1] int32       exclusive prefix sum of ``q_len_b``
 window_start           [bs] int32           ``max(0, seq_len - q_len_b - W + 1)``; 0 when
@@ -20,7 +20,9 @@ token_pos              [>= T] int32         ``[cu_q_lens[b] + i] = seq_len_b - q
                                             (its causal KV length is ``token_pos + 1``)
 swa_window_table       [>= bs, width] int32 ``[b, c] = mapping[req_to_token[req_pool_indices[b],
                                             window_start[b] + c]]`` where
-                                            ``window_start[b] + c < seq_len_b``, else 0;
+                                            ``window_start[b] + c < seq_len_b``, else 0
+                                            (a row outside ``req_to_token`` reads row 0, a
+                                            full slot outside the mapping gives 0);
                                             ``width >= max q_len + W - 1`` (caller's bound)
 =====================  ===================  ===============================================
 
@@ -79,6 +81,7 @@ def _kernel(
     loc_len,  # L: length of the swa_out_cache_loc buffer
     mapping_len,  # M
     stride_r2t,
+    r2t_rows,  # R
     r2t_cols,  # C
     stride_table,
     width,
@@ -106,8 +109,9 @@ def _kernel(
             offs = pid * BLOCK_T + tl.arange(0, BLOCK_T)
             live = offs < num_tokens
             full = tl.load(OutCacheLoc + offs, mask=live, other=0)
-            full = tl.where(full < 0, full + mapping_len, full)  # torch's negative indexing
-            swa = tl.load(Mapping + full, mask=live, other=0)
+            in_map = (full >= 0) & (full < mapping_len)  # -1 and garbage: no slot, never a wrap
+            swa = tl.load(Mapping + full, mask=live & in_map, other=-1)
+            swa = tl.where(live, swa, 0)
             tl.store(SwaLoc + offs, swa.to(tl.int32), mask=offs < loc_len)
     else:
         # ---- role 2: one request, one chunk of its window table
@@ -139,12 +143,13 @@ def _kernel(
                 tl.store(TokenPos + start + offs_q, seq - q_len + offs_q, mask=offs_q < q_len)
         if HAS_TABLE:
             row = tl.load(ReqPoolIdx + b).to(tl.int64)
+            row = tl.where((row >= 0) & (row < r2t_rows), row, 0)  # outside the table: row 0
             cols = c * BLOCK_W + tl.arange(0, BLOCK_W)
             pos = ws + cols
-            valid = (pos < seq) & (pos < r2t_cols) & (cols < width)
+            valid = (pos >= 0) & (pos < seq) & (pos < r2t_cols) & (cols < width)
             f_slot = tl.load(ReqToToken + row * stride_r2t + pos, mask=valid, other=0)
-            f_slot = tl.where(f_slot < 0, f_slot + mapping_len, f_slot)
-            s_slot = tl.load(Mapping + f_slot, mask=valid, other=0)
+            in_map = (f_slot >= 0) & (f_slot < mapping_len)
+            s_slot = tl.load(Mapping + f_slot, mask=valid & in_map, other=0)
             s_slot = tl.where(valid, s_slot, 0)
             tl.store(Table + b.to(tl.int64) * stride_table + cols, s_slot.to(tl.int32), mask=cols < width)
     if PDL:
@@ -251,6 +256,7 @@ def step_metadata(
         loc_len,
         mapping.shape[0],
         r2t.stride(0) if has_table else 0,
+        r2t.shape[0] if has_table else 0,
         r2t.shape[1] if has_table else 0,
         swa_window_table.stride(0) if has_table else 0,
         width,
