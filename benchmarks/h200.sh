@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The H200 proof run, in two stages that each fit the device machine's 10-minute command limit:
+# The H200 proof run, in two stages (each under 10 minutes):
 #   bash benchmarks/h200.sh check   # install, conformance on cuda, PDL proof, compute-sanitizer
-#   bash benchmarks/h200.sh bench   # benchmarks (benchmarks/run_h200.py)
+#   bash benchmarks/h200.sh bench   # benchmarks (attnplug bench --backend cuda): table, JSON, PNG plots
+#   bash benchmarks/h200.sh trust   # GPU tests, conformance on cuda, 20,000-step soak (graphs, PDL), engine loop
 # Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
 set -u
 stage="${1:-check}"
@@ -28,8 +29,22 @@ if [ "$stage" = check ]; then
   grep -E "^│|passed|failed|PASSED|FAILED|error" "$out/conformance.log" | tail -25
   tail -4 "$out/pdl_proof.log"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels ran|Error" "$out/memcheck.log" "$out/racecheck.log" | tail -6
+elif [ "$stage" = trust ]; then
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/env.log" 2>&1
+  python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
+  run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_kernels_kv_store.py \
+    tests/test_cuda_kernels_paged_attention.py tests/test_cuda_kernels_step_metadata.py tests/test_cuda_csrc_build.py \
+    tests/test_memory_slot_rules.py tests/test_bad_input_batches.py
+  run conformance 170 attnplug conformance --backend cuda --report "$out/conformance.json"
+  run soak 300 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
+  run engine_loop 60 python3 examples/engine_loop.py --backend cuda --device cuda
+  cat "$out/env.log"
+  tail -3 "$out/gpu_tests.log"
+  grep -E "passed|failed|PASSED|FAILED|error" "$out/conformance.log" | tail -6
+  tail -22 "$out/soak.log"
+  tail -2 "$out/engine_loop.log"
 else
-  run bench 330 python3 benchmarks/run_h200.py --json "$out/bench_h200.json" --budget-s 320 --flex-budget-s 60
+  run bench 330 attnplug bench --backend cuda --out "$out/bench" --budget-s 320 --set flex_budget_s=60
   tail -60 "$out/bench.log"
 fi
 printf '%s\n' "${summary[@]}"

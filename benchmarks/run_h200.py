@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
-"""Run the CUDA plugin's benchmark suite (see benchmarks/README.md) from a plain checkout.
+"""Run the CUDA plugin's benchmark suite from a plain checkout (see benchmarks/README.md).
 
-    python benchmarks/run_h200.py [--quick] [--only NAME ...] [--json PATH] [--budget-s S]
+    python benchmarks/run_h200.py [--quick] [--only NAME ...] [--out DIR] [--budget-s S] [--set NAME=VALUE]
 
-The same runner as ``attnplug bench --backend cuda`` and ``python -m attnplug_cuda.bench``;
-this script only puts the repository's source folders first on ``sys.path``. Prints progress,
-then a compact table LAST, and writes JSON after every benchmark. Exit status: 0 when the run
-completed (missed targets and failed cases are in the table and the JSON), 2 without a CUDA
-device.
+Exactly ``attnplug bench --backend cuda --device cuda ARGS`` (the same harness,
+``attnplug.bench``); this script only puts the repository's source folders first on
+``sys.path`` so no install is needed. Exit status: 0 when the run completed, 1 when a
+benchmark failed with an error, 2 without a CUDA device.
 """
 
 import os
@@ -19,7 +18,7 @@ for sub in ("conformance", "plugins/cuda", "core"):
     if os.path.isdir(path) and path not in sys.path:
         sys.path.insert(0, path)
 
-from attnplug_cuda.bench.__main__ import build_parser, main  # noqa: E402,F401
+from attnplug_cuda.bench.__main__ import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -91,8 +91,9 @@ def test_info_table(fake_registry, capsys):
     for text in ("described *", "plain", "offline", "no widget attached", "UNIFORM", "plugin load errors", "outdated",
                  "api-version", "default: get_backend() returns 'described'", "needs_cpu_seq_lens"):
         assert text in out, text
-    plain_line = next(line for line in out.splitlines() if "│ plain " in line)
+    plain_line = next(line for line in out.splitlines() if line.startswith(" plain "))
     assert "?" in plain_line  # PDL / graphs unknown without describe()
+    assert "\noffline: no widget attached\n" in out  # one line per backend: its reason
 
 
 def test_info_table_without_errors(capsys):
@@ -161,7 +162,8 @@ def test_info_shows_what_describe_adds_beyond_the_columns(capsys):
            "capabilities": {"pdl": True, "graphs": "UNIFORM", "kv_store_reason": "C++ store unavailable: no nvcc"}}
     cli._print_info({"attnplug_version": "0", "plugin_api_version": "1.0", "default_backend": "dev",
                      "default_error": None, "environment": {}, "errors": [], "backends": [row]})
-    assert "dev: kv_store_reason: C++ store unavailable: no nvcc" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dev (d 1): ok\n  kv_store_reason: C++ store unavailable: no nvcc\n" in out
 
 
 def test_info_with_a_malformed_probe_time_limit_names_the_variable(fake_registry, capsys, monkeypatch):

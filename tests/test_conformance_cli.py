@@ -50,9 +50,11 @@ def test_reference_passes_writes_report_and_prints_matrix(tmp_path):
     for t in tests:
         assert set(t) == {"nodeid", "check", "outcome", "duration", "message"}
         assert t["outcome"] in ("passed", "skipped") and t["duration"] >= 0
-    (skipped,) = [t for t in tests if t["outcome"] == "skipped"]
-    assert skipped["check"] == "check_pdl_on_off_identical" and "capabilities().pdl is False" in skipped["message"]
-    assert backend["summary"]["passed"] == len(tests) - 1
+    skipped = {t["check"]: t["message"] for t in tests if t["outcome"] == "skipped"}
+    assert "capabilities().pdl is False" in skipped.pop("check_pdl_on_off_identical")
+    assert "--attnplug-thorough" in skipped.pop("check_attention_matches_reference")  # the thorough profile only
+    assert not skipped
+    assert backend["summary"]["passed"] == len(tests) - 2
     # the registered backends that were not requested are listed with their reason
     assert {n["name"] for n in data["not_run"]} >= {"cuda"}
     assert all(n["reason"] for n in data["not_run"])
@@ -60,8 +62,8 @@ def test_reference_passes_writes_report_and_prints_matrix(tmp_path):
 
 def test_unknown_backend_exits_non_zero_naming_alternatives(capsys):
     code = main(["conformance", "--backend", "no-such-backend"])
-    out = capsys.readouterr().out
-    assert code == 2
+    out = capsys.readouterr().err
+    assert code == 2 and out.startswith("attnplug: error: conformance: ")
     assert "unknown backend 'no-such-backend'" in out and "available: reference" in out
 
 
@@ -72,7 +74,7 @@ def test_unavailable_backend_exits_non_zero_with_reason(capsys):
     if not unavailable:  # every backend is available on this machine
         return
     code = main(["conformance", "--backend", unavailable[0].name])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert code == 2 and "is unavailable" in out and "reference" in out
 
 
@@ -89,3 +91,26 @@ def test_broken_backend_fails_with_the_rule_in_matrix_report_and_junit(tmp_path,
     failed = [t for t in data["backends"][0]["tests"] if t["outcome"] == "failed"]
     assert len(failed) == 2 and all(t["message"].startswith("rule 1 (hoisted SWA writes)") for t in failed)
     assert junit.exists() and "rule 1 (hoisted SWA writes)" in junit.read_text()
+
+
+def test_keyword_matching_no_check_exits_non_zero_naming_the_checks(capsys):
+    assert main(["conformance", "--backend", "reference", "-k", "no_such_check_anywhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnplug: error: conformance: -k 'no_such_check_anywhere' matched no check")
+    assert all(check in err for check in CHECKS)
+
+
+def test_bad_device_is_one_clear_line(capsys):
+    assert main(["conformance", "--backend", "reference", "--device", "no-such-device"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnplug: error: conformance: --device 'no-such-device':"), err
+
+
+def test_attnplug_backend_selects_the_backend_to_test(monkeypatch, capsys):
+    monkeypatch.setenv("ATTNPLUG_BACKEND", "reference")
+    assert main(["conformance", "-k", "check_swa_buffer_contract"]) == 0
+    out = capsys.readouterr().out
+    assert "ATTNPLUG_BACKEND=reference selects the backend to test" in out
+    monkeypatch.setenv("ATTNPLUG_BACKEND", "no_such_backend")
+    assert main(["conformance", "-k", "check_swa_buffer_contract"]) == 2
+    assert "unknown backend 'no_such_backend'" in capsys.readouterr().err

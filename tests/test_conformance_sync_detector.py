@@ -120,3 +120,51 @@ def test_inactive_outside_the_block():
     with SyncDetector("metadata"):
         pass
     assert x[0].item() == 0  # no mode left behind
+
+
+# Data-dependent sizes: torch converts the tensor to a Python number in C++ argument parsing,
+# which only the dispatcher-level layer sees (as aten._local_scalar_dense) or the op itself.
+DATA_DEPENDENT = {
+    "arange(t.max())": (lambda: torch.arange(x.max()), "aten._local_scalar_dense"),
+    "zeros(t.max())": (lambda: torch.zeros(x.max()), "aten._local_scalar_dense"),
+    "full((t.max(),), v)": (lambda: torch.full((x.max(),), 1), "aten._local_scalar_dense"),
+    "empty(t[0])": (lambda: torch.empty(x[3]), "aten._local_scalar_dense"),
+    "slice with a tensor bound": (lambda: x[: x.max()], "aten._local_scalar_dense"),
+    "narrow with a tensor length": (lambda: x.narrow(0, 0, x[2]), "aten._local_scalar_dense"),
+    "bincount": (lambda: torch.bincount(x), "aten.bincount"),
+    "bincount with minlength": (lambda: torch.bincount(x, minlength=8), "aten.bincount"),
+    "unique_consecutive": (lambda: torch.unique_consecutive(x), "unique_consecutive"),
+}
+
+
+@pytest.mark.parametrize("op", list(DATA_DEPENDENT))
+def test_flags_data_dependent_sizes(op):
+    fn, needle = DATA_DEPENDENT[op]
+    with pytest.raises(HostSyncError) as info:
+        with SyncDetector("replay metadata"):
+            fn()
+    assert str(info.value).startswith(RULE) and needle in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("op", ["arange(t.max())", "bincount with minlength", "slice with a tensor bound"])
+def test_function_layer_alone_misses_them(op):
+    """Why the dispatcher layer exists: without it these pass unnoticed."""
+    with SyncDetector("replay metadata", dispatch=False) as detector:
+        DATA_DEPENDENT[op][0]()
+    assert detector.violations == []
+
+
+def test_dispatch_layer_sees_device_to_host_copies():
+    from attnplug_conformance.sync_detector import dispatch_offence
+
+    meta = torch.empty(3, device="meta")
+    assert dispatch_offence(torch.ops.aten._to_copy.default, (meta,), {"device": torch.device("cpu")})
+    assert dispatch_offence(torch.ops.aten.copy_.default, (torch.empty(3), meta), {})
+    assert dispatch_offence(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.int32}) is None
+
+
+def test_one_violation_is_reported_once():
+    detector = SyncDetector("metadata", raise_on_violation=False)
+    with detector:
+        int(x[0])  # Tensor.__int__ and, below it, aten._local_scalar_dense: one violation
+    assert len(detector.violations) == 1

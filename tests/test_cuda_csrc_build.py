@@ -100,7 +100,7 @@ def test_pdl_wait_precedes_loads_and_trigger_follows_stores(tmp_path):
     # 5 vector widths x 2 index dtypes
     assert len(entries) == 10, sorted(entries)
     for name, lines in entries.items():
-        def idx(pred):
+        def idx(pred, lines=lines):
             return [i for i, line in enumerate(lines) if pred(line.strip())]
 
         waits = idx(lambda s: s.startswith("griddepcontrol.wait"))

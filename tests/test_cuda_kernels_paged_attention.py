@@ -22,11 +22,13 @@ pytest.importorskip("triton")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PDL_MODES = [False, True] if pdl_supported(DEVICE)[0] else [False]
 K = load_kernels()
+from attnplug_cuda.kernels.paged_attention import plan_attention  # noqa: E402
+
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
 PAD = -1  # a seq_len entry of PAD marks a padded request: seq_len 1, req row 0
 
 
-def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale, q_scale=None):
+def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale):
     """float64 dense masked softmax; a query with no valid key gives zeros."""
     T, H, D = q.shape
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -40,8 +42,7 @@ def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale, q_scale=Non
             p = s - n + i
             lo = 0 if window is None else max(0, p - window + 1)
             if p >= 0:
-                scale = sm_scale * (float(q_scale[t]) if q_scale is not None else 1.0)
-                logits = torch.einsum("hd,jhd->hj", qd[t], kk[lo : p + 1]) * scale
+                logits = torch.einsum("hd,jhd->hj", qd[t], kk[lo : p + 1]) * sm_scale
                 out[t] = torch.einsum("hj,jhd->hd", torch.softmax(logits, -1), vv[lo : p + 1])
             t += 1
     return out
@@ -57,7 +58,6 @@ def run_case(
     dtype=torch.float16,
     window: Optional[int] = None,
     layer: str = "full",
-    q_scale: bool = False,
     config: Optional[dict] = None,
     pdl: bool = False,
     seed: int = 0,
@@ -104,7 +104,6 @@ def run_case(
         locs.append(slots[s - n :])
     T = sum(q_lens)
     q = torch.randn(T, H, D, generator=g).to(dtype)
-    qs = (torch.rand(T, generator=g) + 0.5) if q_scale else None
 
     to = lambda t: t.to(DEVICE)  # noqa: E731
     rpi = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
@@ -121,8 +120,7 @@ def run_case(
         req_to_token=to(req_to_token), swa_window_table=table if window is not None else None, window=window,
     )
     out = torch.full((T, H, D), float("nan"), dtype=dtype, device=DEVICE)
-    common = dict(cu_q_lens=cu, seq_lens=seq_t, max_q_len=max_q, window=window, q_scale=to(qs) if q_scale else None,
-                  config=config, pdl=pdl)
+    common = dict(cu_q_lens=cu, seq_lens=seq_t, max_q_len=max_q, window=window, config=config, pdl=pdl)
     if layer == "full":
         K.paged_attention(to(q), to(k_full), to(v_full), out, table=to(req_to_token), table_rows=rpi,
                           max_kv_len=max_ctx, **common)
@@ -131,7 +129,7 @@ def run_case(
         K.paged_attention(to(q), to(k_swa), to(v_swa), out, table=table,
                           table_rows=torch.arange(bs, dtype=torch.int32, device=DEVICE), table_start=ws,
                           max_kv_len=max_ctx, **common)
-    want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D), qs)
+    want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D))
     if check:
         got = out.cpu().double()
         assert torch.isfinite(got).all(), "non-finite output"
@@ -175,7 +173,7 @@ def test_target_verify_full_layer_via_req_to_token():
 
 
 def test_long_extend_uses_large_tiles():
-    plan = K.plan_attention(num_reqs=2, num_tokens=60, num_kv_heads=2, group=4, head_dim=64, max_q_len=40,
+    plan = plan_attention(num_reqs=2, num_tokens=60, num_kv_heads=2, group=4, head_dim=64, max_q_len=40,
                             max_kv_len=100, window=None, num_sms=8)
     assert plan["BLOCK_M"] == 128
     run_case([40, 20], [60, 20], H=8, Hkv=2, D=64, layer="full", seed=3)
@@ -190,14 +188,13 @@ def test_split_kv_and_combine(layer, window):
 
 
 def test_heuristic_splits_a_small_batch():
-    plan = K.plan_attention(num_reqs=1, num_tokens=1, num_kv_heads=1, group=4, head_dim=64, max_q_len=1,
+    plan = plan_attention(num_reqs=1, num_tokens=1, num_kv_heads=1, group=4, head_dim=64, max_q_len=1,
                             max_kv_len=600, window=None, num_sms=8)
     assert plan["num_splits"] == 3 and plan["BLOCK_M"] == 16
     run_case([1], [600], H=4, Hkv=1, D=64, seed=6)
 
 
-def test_q_scale_and_fp32():
-    run_case([3, 1], [10, 33], H=4, Hkv=2, D=64, q_scale=True, seed=7)
+def test_fp32():
     run_case([2, 1], [9, 20], H=4, Hkv=2, D=64, dtype=torch.float32, window=6, layer="swa", seed=8)
 
 
@@ -218,12 +215,12 @@ def test_pdl_matches_non_pdl():
 def test_plan_fills_an_h200_for_swa_decode():
     """bs=64, 8 kv heads, window 4096: at least a full wave of programs on 132 SMs, and the
     workspace bound covers every plan it can produce."""
-    plan = K.plan_attention(num_reqs=64, num_tokens=64, num_kv_heads=8, group=4, head_dim=128, max_q_len=1,
+    plan = plan_attention(num_reqs=64, num_tokens=64, num_kv_heads=8, group=4, head_dim=128, max_q_len=1,
                             max_kv_len=32768, window=4096, num_sms=132)
     assert 64 * 8 * plan["num_splits"] >= 132
     for bs in (1, 2, 7, 64, 300):
         for q_len in (1, 4):
-            p = K.plan_attention(num_reqs=bs, num_tokens=bs * q_len, num_kv_heads=8, group=4, head_dim=128,
+            p = plan_attention(num_reqs=bs, num_tokens=bs * q_len, num_kv_heads=8, group=4, head_dim=128,
                                  max_q_len=q_len, max_kv_len=32768, window=None, num_sms=132)
             if p["num_splits"] > 1:
                 need = bs * q_len * 32 * p["num_splits"] * (128 + 2)

@@ -182,3 +182,25 @@ def test_out_of_range_indices_never_wrap_or_read_outside(window):
     check(got, reference(rpi, seq_t, torch.ones(5), loc, mapping, r2t, 8, width, window))
     assert got["swa_out_cache_loc"][:3].tolist() == [-1, -1, -1]
     assert (got["swa_window_table"][3:] == 0).all()
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 5, [3, 1, 4]])
+def test_swa_buffer_equals_the_core_definition(q_lens):
+    """The fused launch writes cuda_graph_swa_out_cache_loc exactly as the core defines it:
+    the pool's translate_loc_from_full_to_swa of the step's slots in [:T], zeros after
+    (attnplug.graph_buffers.GraphBuffers.expected_swa_out_cache_loc)."""
+    from attnplug import SWAKVPool
+    from attnplug.graph_buffers import GraphBuffers
+
+    seq = [s + 20 for s in range(len(q_lens))]
+    rpi, seq_t, loc, mapping, r2t = make_step(q_lens, seq, size=200, seed=7)
+    pool = SWAKVPool(200, 200, 1, [0], 1, 16, torch.float16, DEVICE)
+    assert pool.full_to_swa_index_mapping.shape == mapping.shape
+    pool.full_to_swa_index_mapping.copy_(mapping)
+    loc[0], loc[-1] = 5, 10_000  # an evicted SWA slot (0) and a slot outside the mapping (-1)
+    ext = torch.tensor(q_lens, dtype=torch.int64, device=DEVICE) if len(set(q_lens)) > 1 else q_lens[0]
+    T = loc.shape[0]
+    got = run_kernel(rpi, seq_t, ext, loc, mapping, r2t, T + 6, None, 8, False)
+    want = GraphBuffers.expected_swa_out_cache_loc(pool, loc, T + 6)
+    assert torch.equal(got["swa_out_cache_loc"].cpu(), want.cpu())
+    assert want[0] == 0 and want[T - 1] == -1 and (want[T:] == 0).all()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnplug import ReqToTokenPool, SWAKVPool
-from attnplug.backend import Capabilities, GraphSupport
+from attnplug.backend import GraphSupport
 
 
 def _cpu_pool():
@@ -24,7 +24,7 @@ def test_packages_import_without_vendor_runtime():
 def test_ascend_backend_names_missing_torch_npu(monkeypatch):
     import importlib
 
-    from attnplug_ascend import backend
+    from attnplug_ascend import backend, device
 
     real = importlib.import_module
 
@@ -33,7 +33,7 @@ def test_ascend_backend_names_missing_torch_npu(monkeypatch):
             raise ImportError("No module named 'torch_npu'")
         return real(name, *a, **k)
 
-    monkeypatch.setattr(backend.importlib, "import_module", fake_import)
+    monkeypatch.setattr(device.importlib, "import_module", fake_import)
     pool, rows = _cpu_pool()
     with pytest.raises(RuntimeError, match="torch_npu"):
         backend.AscendBackend(pool, rows, num_heads=4, sliding_window=8)
@@ -48,15 +48,41 @@ def test_xpu_backend_refuses_a_cpu_pool():
 
 
 def test_xpu_graph_support_follows_feature_detection(monkeypatch):
-    from attnplug_xpu import backend
+    from attnplug_xpu import backend, device
 
     inst = backend.XpuBackend.__new__(backend.XpuBackend)  # capabilities() is pure data
-    monkeypatch.setattr(backend, "_xpu_graph_class", lambda: None)
+    inst.device = torch.device("xpu")
+    monkeypatch.setattr(device, "_xpu_graph_class", lambda: None)
     with pytest.raises(RuntimeError, match="XPUGraph"):
         backend.XpuBackend.new_graph()
-    monkeypatch.setattr(backend, "_xpu_graph_class", lambda: object)
-    base = Capabilities("xpu", False, False, GraphSupport.UNIFORM, (torch.float16,), (64,), (1,), True)
-    monkeypatch.setattr(backend.ReferenceBackend, "capabilities", lambda self: base)
-    assert backend.XpuBackend.capabilities(inst).graphs is GraphSupport.UNIFORM
-    monkeypatch.setattr(backend, "_xpu_graph_class", lambda: None)
-    assert backend.XpuBackend.capabilities(inst).graphs is GraphSupport.NEVER
+    assert inst.capabilities().graphs is GraphSupport.NEVER
+    assert backend.XpuBackend.describe()["graphs"] == "NEVER"
+    monkeypatch.setattr(device, "_xpu_graph_class", lambda: object)
+    assert inst.capabilities().graphs is GraphSupport.UNIFORM
+    assert backend.XpuBackend.describe()["graphs"] == "UNIFORM"
+    assert inst.capabilities().device_type == "xpu"
+
+
+@pytest.mark.parametrize("module", ["attnplug_ascend", "attnplug_xpu"])
+def test_device_plugins_use_the_portable_base_not_the_oracle(module):
+    import importlib
+
+    from attnplug.backends.portable import PortableBackend
+    from attnplug.backends.reference import ReferenceBackend
+
+    cls = next(v for k, v in vars(importlib.import_module(f"{module}.backend")).items() if k.endswith("Backend")
+               and isinstance(v, type) and v.__module__ == f"{module}.backend")
+    assert issubclass(cls, PortableBackend) and not issubclass(cls, ReferenceBackend)
+    assert type(cls.device_part).__module__ == f"{module}.device"
+
+
+def test_ascend_declares_never_without_torch_npu(monkeypatch):
+    from attnplug_ascend import backend, device
+
+    def missing():
+        raise RuntimeError("the ascend backend needs torch_npu with Ascend CANN: ImportError")
+
+    monkeypatch.setattr(device, "npu_module", missing)
+    facts = backend.AscendBackend.describe()
+    assert facts["graphs"] == "NEVER" and facts["device_type"] == "npu"
+    assert backend.AscendBackend.declared_capabilities().graphs is GraphSupport.UNIFORM  # the install-free claim

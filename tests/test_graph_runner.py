@@ -213,7 +213,7 @@ def test_eager_steps_say_why_and_are_logged_once(caplog):
     assert any("EXTEND" in m and "same number of new tokens" in m for m in infos)
     assert runner.status()["eager_runs"]["DECODE"] == {"steps": 2, "why": why}
     other = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=3)
-    assert "num_draft_tokens=3, the graphs were captured for num_draft_tokens=2" in runner.why_eager(other.batch)
+    assert "num_draft_tokens=3, the graphs are captured for num_draft_tokens=2" in runner.why_eager(other.batch)
 
 
 def test_a_mode_whose_every_capture_failed_says_so():

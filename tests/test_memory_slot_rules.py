@@ -4,11 +4,13 @@ the allocator's page fill allows, when eviction reads the row, and the validatio
 
 import pytest
 import torch
-from memory_snapshot import assert_same, snapshot
 
 import attnplug.memory.swa_pool as swa_pool_module
+from attnplug.env import VALIDATE, validation_enabled
 from attnplug.memory import InvariantViolation, KVSlotError, ReqToTokenPool, SWAKVPool, SWATokenAllocator
-from attnplug.validate import ENV_VALIDATE, validation_enabled
+from memory_snapshot import assert_same, snapshot
+
+ENV_VALIDATE = VALIDATE.name
 
 CPU = torch.device("cpu")
 H, D = 2, 8

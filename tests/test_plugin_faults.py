@@ -220,7 +220,8 @@ FAULTS: Dict[str, Fault] = {
         "Abort: x"),
     "hook-calls-get_backend": Fault(
         [("d", {"p": src(register("p"), then=("__import__('attnplug').get_backend('reference')",))}, "1.0")],
-        "cannot be called from plugin code that the registry is running (the attnplug_register_backends hook of plugin 'p'",
+        "cannot be called from plugin code that the registry is running "
+        "(the attnplug_register_backends hook of plugin 'p'",
         hangs=True),
     "hook-registers-a-name-twice": Fault([("d", {"p": src(register("twice"), register("twice"))}, "1.0")],
                                          "register(name='twice') was called twice"),
@@ -432,7 +433,7 @@ def test_every_fault_at_once_through_the_command(tmp_path):
     for name, text in _SUPPORT_MODULES.items():
         (site / f"{name}.py").write_text(text)
     used = 0
-    for i, (name, fault) in enumerate(sorted(FAULTS.items())):
+    for i, (_name, fault) in enumerate(sorted(FAULTS.items())):
         if fault.env or fault.first or fault.reference_disabled:
             continue
         for dist, plugins, version in fault.dists:  # backend names of their own, so no scenario hides another

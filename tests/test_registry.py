@@ -18,7 +18,6 @@ import torch
 
 import attnplug
 from attnplug import registry as R
-from attnplug.pdl import pdl_disabled_by_env
 from attnplug.registry import (
     AmbiguousBackend,
     BackendNotFound,
@@ -27,14 +26,13 @@ from attnplug.registry import (
     RegistryError,
     load_registry,
 )
-
 from plugin_dists import (
     PROJECT_PATHS,
     ROOT,
     DistTree,
-    entry_points_in,
     OtherStandIn,
     StandInBackend,
+    entry_points_in,
     plugin_source,
     reg,
     write_dist_info,
@@ -266,7 +264,8 @@ def test_probes_run_lazily_once_and_unavailable_targets_are_never_imported(tree)
     target_module = "never_imported_backend_module_xyz"
     tree.add("d", {"p": plugin_source(
         ["name='a', backend='plugin_dists:StandInBackend', probe=probe, priority=1",
-         f"name='off', backend='{target_module}:Backend', probe=lambda: ProbeResult(False, 'no device', None)"],
+         f"name='off', backend='{target_module}:Backend', "
+         "probe=lambda: ProbeResult(False, 'no device', None)"],
         body="""
         CALLS = []
         def probe():
@@ -698,20 +697,12 @@ def test_vendor_plugins_declare_the_api_version(vendor_paths):
 
 
 # ---------------------------------------------------------------------------- small pieces
-def test_pdl_disabled_by_env(monkeypatch):
-    monkeypatch.delenv("ATTNPLUG_DISABLE_PDL", raising=False)
-    assert pdl_disabled_by_env() is False
-    for value, expected in (("1", True), ("true", True), ("ON", True), ("0", False), ("", False), ("no", False)):
-        monkeypatch.setenv("ATTNPLUG_DISABLE_PDL", value)
-        assert pdl_disabled_by_env() is expected, value
-
-
 VENDOR_WORDS = ("cuda", "npu", "xpu", "torch_npu", "ipex")
 
 
 @pytest.mark.parametrize("relpath", ["registry/__init__.py", "registry/hookspecs.py", "registry/records.py",
                                      "registry/registry.py", "registry/containment.py", "registry/discovery.py",
-                                     "cli.py", "pdl.py", "backends/__init__.py",
+                                     "cli.py", "env.py", "versions.py", "backends/__init__.py",
                                      "backends/reference_plugin.py"])
 def test_registry_code_names_no_vendor(relpath):
     """Core is device-neutral: vendor names may appear in comments only."""

@@ -69,7 +69,10 @@ def test_info_lists_the_installed_plugin_and_the_broken_one(installed):
     assert (example["distribution"], example["version"]) == ("attnplug-example", "0.1.0")
     assert example["plugin"] == "example" and example["entry_point"] == "attnplug_example.plugin"
     assert example["backend"] == "attnplug_example.backend:ExampleBackend" and example["priority"] == -1
-    assert example["capabilities"] == {"pdl": False, "graphs": "ALWAYS", "needs_cpu_seq_lens": False}
+    caps = example["capabilities"]
+    assert (caps["pdl"], caps["graphs"], caps["needs_cpu_seq_lens"]) == (False, "UNIFORM", False)
+    assert (example["pdl"], example["graphs"]) == (False, "UNIFORM")
+    assert caps["graph_class"].startswith("eager stand-in")  # what its device part adds
     assert rows["reference"]["available"] is True and rows["reference"]["distribution"] == "attnplug"
     broken = [e for e in data["errors"] if e["plugin"] == "broken"]
     assert len(broken) == 1, data["errors"]
@@ -84,9 +87,11 @@ def test_installed_backend_is_selectable_and_broken_one_errors(installed):
     code = textwrap.dedent("""
         import json, torch, attnplug
         from attnplug import ReqToTokenPool, SWAKVPool
+        from attnplug.backends.portable import PortableBackend
         from attnplug.backends.reference import ReferenceBackend
         Example = attnplug.get_backend("example")
-        out = {"subclass": issubclass(Example, ReferenceBackend), "module": Example.__module__,
+        out = {"subclass": issubclass(Example, PortableBackend) and not issubclass(Example, ReferenceBackend),
+               "module": Example.__module__,
                "name": Example.name, "reference": attnplug.get_backend("reference") is ReferenceBackend,
                "default": attnplug.get_backend().name}
         try:
@@ -95,7 +100,9 @@ def test_installed_backend_is_selectable_and_broken_one_errors(installed):
             out["broken"] = str(exc)
         pool = SWAKVPool(64, 32, 2, [0], 2, 64, torch.float16, torch.device("cpu"))
         rows = ReqToTokenPool(4, 32, torch.device("cpu"))
-        out["device_type"] = Example(pool, rows, num_heads=4, sliding_window=8).capabilities().device_type
+        caps = Example(pool, rows, num_heads=4, sliding_window=8).capabilities()
+        out["device_type"] = caps.device_type
+        out["agrees"] = all(Example.describe()[k] == v for k, v in caps.to_json().items() if k != "device_type")
         print(json.dumps(out))
     """)
     out = json.loads(_run(env, code=code).strip().splitlines()[-1])
@@ -103,7 +110,7 @@ def test_installed_backend_is_selectable_and_broken_one_errors(installed):
     assert out["reference"] is True
     assert out["default"] != "example"  # priority -1: installing the example never changes the default
     assert "libbroken.so" in out["broken"] and "Available backends:" in out["broken"] and "example" in out["broken"]
-    assert out["device_type"] == "cpu"
+    assert out["device_type"] == "cpu" and out["agrees"] is True  # describe() never disagrees
     out = json.loads(_run(env, code=code, extra_env={"ATTNPLUG_BACKEND": "example"}).strip().splitlines()[-1])
     assert out["default"] == "example"
 

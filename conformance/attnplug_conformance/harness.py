@@ -1,4 +1,4 @@
-"""A small engine for driving any backend the way DESIGN.md's "How an engine drives it" does.
+"""A small engine for driving any backend the way an engine does (docs/contract.md).
 
 ``World`` owns one KV pool, allocator and request table and one backend instance; it plans
 steps for a set of live requests in any ``ForwardMode`` (allocating slots, writing
@@ -9,8 +9,11 @@ so that any result can be recomputed densely.
 
 The conformance suite adds a few instruments on top: a reference backend over the SAME pool
 (``World.reference_backend``, to set up a prefix identically in twin worlds), KV snapshots
-(``snapshot_kv`` / ``restore_kv``) and the host view of which slots are live
-(``live_full_slots`` / ``live_swa_slots`` / ``free_swa_slots``).
+(``snapshot_kv`` / ``restore_kv``), the host view of which slots are live
+(``live_full_slots`` / ``live_swa_slots`` / ``free_swa_slots``), a store that writes a step's
+KV without any backend (``store_kv``: long prompts set up cheaply, ``save_kv_cache=False``
+steps) and ``WorldSpec.scramble_swa``: the SWA free list is shuffled at construction, so the
+full -> SWA translation of every later step is a real permutation, never the identity.
 
 Device-neutral: the device is a ``torch.device`` given by the caller.
 """
@@ -33,7 +36,9 @@ from attnplug import (
     SWATokenAllocator,
 )
 
-__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step", "KVSnapshot"]
+from .rules import ATTENTION
+
+__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step", "KVSnapshot", "ContractViolation"]
 
 #: per layer ``(k, v)`` clones of the KV buffers
 KVSnapshot = List[Tuple[torch.Tensor, torch.Tensor]]
@@ -55,6 +60,10 @@ class WorldSpec:
     max_reqs: int = 16
     max_context_len: int = 256
     swa_layer_ids: Optional[Tuple[int, ...]] = None
+    #: ``scaling`` given to the backend (None: the contract's default ``1/sqrt(head_dim)``)
+    scaling: Optional[float] = None
+    #: shuffle the SWA free list at construction (``World.scramble_swa_free_list``)
+    scramble_swa: bool = False
 
     def swa_layers(self) -> Tuple[int, ...]:
         if self.sliding_window is None:
@@ -82,14 +91,39 @@ class Step:
     new_tokens: List[int]
 
 
-def layer_step(backend: AttentionBackend, num_layers: int):
-    """The model of a step: every layer's attention, stacked to ``[T, L, H, D]``."""
+class ContractViolation(AssertionError):
+    """``forward`` returned something the contract rules out (type, shape, dtype, device)."""
+
+
+def check_output(out, q: torch.Tensor, layer: int) -> None:
+    """Raise ``ContractViolation`` unless ``out`` is a tensor of q's shape ``[T, H, D]``,
+    dtype and device (host metadata only: nothing is read from the device)."""
+    if not isinstance(out, torch.Tensor):
+        raise ContractViolation(f"{ATTENTION}: forward() of layer {layer} returned {type(out).__name__}, not a tensor")
+    problems = []
+    if tuple(out.shape) != tuple(q.shape):
+        problems.append(f"shape {list(out.shape)} (expected {list(q.shape)}: [T, num_heads, head_dim])")
+    if out.dtype != q.dtype:
+        problems.append(f"dtype {str(out.dtype).replace('torch.', '')} (expected q's dtype, "
+                        f"{str(q.dtype).replace('torch.', '')})")
+    if out.device != q.device:
+        problems.append(f"device {out.device} (expected q's device, {q.device})")
+    if problems:
+        raise ContractViolation(f"{ATTENTION}: forward() of layer {layer} returned an output of " + ", ".join(problems))
+
+
+def layer_step(backend: AttentionBackend, num_layers: int, *, save_kv_cache: bool = True):
+    """The model of a step: every layer's attention, stacked to ``[T, L, H, D]``. Each
+    layer's output is checked against the contract (``check_output``) before stacking (a
+    stack would silently promote a wrong dtype)."""
 
     def step(batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-        outs = [
-            backend.forward(inputs["q"][:, l], inputs["k"][:, l], inputs["v"][:, l], l, batch)
-            for l in range(num_layers)
-        ]
+        outs = []
+        for l in range(num_layers):
+            q = inputs["q"][:, l]
+            out = backend.forward(q, inputs["k"][:, l], inputs["v"][:, l], l, batch, save_kv_cache=save_kv_cache)
+            check_output(out, q, l)
+            outs.append(out)
         if not outs:
             return inputs["q"].new_empty(inputs["q"].shape)
         return torch.stack(outs, dim=1)
@@ -118,12 +152,16 @@ class World:
         self.device = self.pool.device  # concrete ("cuda" -> "cuda:0"), as the pool reports it
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, self.device)
-        self.backend = backend_cls(self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window)
+        kwargs = {} if spec.scaling is None else {"scaling": spec.scaling}
+        self.backend = backend_cls(self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window,
+                                   **kwargs)
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: List[Request] = []
         self.step_fn = layer_step(self.backend, spec.num_layers)
         self._reference: Optional[AttentionBackend] = None
+        if spec.scramble_swa:
+            self.scramble_swa_free_list()
 
     @property
     def reference_backend(self) -> AttentionBackend:
@@ -134,9 +172,39 @@ class World:
             from attnplug.backends.reference import ReferenceBackend
 
             self._reference = ReferenceBackend(
-                self.pool, self.rows, num_heads=self.spec.num_heads, sliding_window=self.spec.sliding_window
+                self.pool, self.rows, num_heads=self.spec.num_heads, sliding_window=self.spec.sliding_window,
+                scaling=self.spec.scaling,
             )
         return self._reference
+
+    def scramble_swa_free_list(self, chunks: int = 16) -> None:
+        """Shuffle the SWA free list with the allocator's public API, so that full slots and
+        their SWA slots stop coinciding: take every SWA page (with as many full pages), free
+        their SWA pages in ``chunks`` groups in a seeded random order, then free the full
+        pages. Afterwards the full pool hands out its pages in order while the SWA pool hands
+        out a permutation. Deterministic in the world's seed (twin worlds scramble alike).
+        Only at construction, before any request exists."""
+        if self.requests:
+            raise RuntimeError("scramble_swa_free_list() must run before any request is allocated")
+        ps = self.spec.page_size
+        pages = min(self.alloc.swa_available_size(), self.alloc.full_available_size()) // ps
+        if pages < 2:
+            return
+        loc = self.alloc.alloc(pages * ps).cpu()
+        first = loc.view(pages, ps)[:, 0]  # one slot per page
+        gen = torch.Generator().manual_seed(self.seed * 7919 + 17)
+        order = first[torch.randperm(pages, generator=gen)]
+        for part in torch.tensor_split(order, min(chunks, pages)):
+            self.alloc.free_swa(part)
+        self.alloc.free(loc)
+
+    def translation_is_identity(self, loc: torch.Tensor) -> bool:
+        """Whether ``translate(loc)`` equals ``loc`` (host bool; reads the device: a test
+        instrument, never called inside a step)."""
+        if not self.pool.swa_layer_ids or loc.numel() == 0:
+            return False
+        swa = self.pool.translate_loc_from_full_to_swa(loc).to("cpu", torch.int64)
+        return bool(torch.equal(swa, loc.to("cpu", torch.int64)))
 
     # ------------------------------------------------------------------ requests
     def new_request(self) -> Request:
@@ -264,14 +332,30 @@ class World:
             r.seq_len += n
             offset += n
 
-    def run_eager(self, step: Step, backend: Optional[AttentionBackend] = None) -> torch.Tensor:
+    def run_eager(self, step: Step, backend: Optional[AttentionBackend] = None, *,
+                  save_kv_cache: bool = True) -> torch.Tensor:
         """Run ``step`` eagerly: one metadata call, then every layer. ``backend`` defaults to
-        the world's backend (``self.reference_backend`` sets up a prefix identically)."""
+        the world's backend (``self.reference_backend`` sets up a prefix identically).
+        ``save_kv_cache=False`` is passed to every layer (the caller stored the KV itself,
+        e.g. with ``store_kv``)."""
         backend = backend if backend is not None else self.backend
         backend.init_forward_metadata(step.batch)
-        if backend is self.backend:
+        if backend is self.backend and save_kv_cache:
             return self.step_fn(step.batch, step.inputs)
-        return layer_step(backend, self.spec.num_layers)(step.batch, step.inputs)
+        return layer_step(backend, self.spec.num_layers, save_kv_cache=save_kv_cache)(step.batch, step.inputs)
+
+    def store_kv(self, step: Step) -> None:
+        """Write the step's k/v into the pool without any backend: full layers at
+        ``out_cache_loc``, SWA layers at its translation (what an engine does before calling
+        ``forward(..., save_kv_cache=False)``; also sets up long prompts cheaply)."""
+        loc = step.batch.out_cache_loc
+        swa_loc = self.pool.translate_loc_from_full_to_swa(loc) if self.pool.swa_layer_ids else None
+        for layer in range(self.spec.num_layers):
+            k, v = step.inputs["k"][:, layer], step.inputs["v"][:, layer]
+            if self.pool.is_swa_layer(layer):
+                self.pool.set_kv_buffer(layer, loc, k, v, swa_loc=swa_loc)
+            else:
+                self.pool.set_kv_buffer(layer, loc, k, v)
 
     def advance(self, step: Step) -> None:
         """After a step ran: record its tokens (``commit``) and evict what left the window."""

@@ -139,15 +139,21 @@ class _Plan:
     run: List[Tuple[str, Any]] = field(default_factory=list)  # (name, BackendInfo or None)
     not_run: List[Tuple[str, str]] = field(default_factory=list)  # (name, reason)
     error: Optional[str] = None
+    selected_by_env: Optional[str] = None  # ATTNPLUG_BACKEND chose the backend
 
 
 def _plan(backends: Optional[Sequence[str]]) -> _Plan:
-    from attnplug import registry
+    """Which backends to run. No ``backends`` given: the one ``ATTNPLUG_BACKEND`` names when
+    it is set (as ``get_backend()`` would pick it), else every available backend."""
+    from attnplug import env, registry
 
     reg = registry.get_registry()
     infos = {info.name: info for info in reg.available_backends()}
     available = [n for n, i in infos.items() if i.available]
     plan = _Plan()
+    if not backends and env.backend_name():
+        plan.selected_by_env = env.backend_name()
+        backends = [plan.selected_by_env]
     if not backends:
         for name, info in infos.items():
             if info.available:
@@ -182,20 +188,15 @@ def _plan(backends: Optional[Sequence[str]]) -> _Plan:
 
 
 # ---------------------------------------------------------------------------- report data
-def _version(dist: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def environment() -> Dict[str, Any]:
     """Versions and platform recorded in the report."""
     import torch
 
     import attnplug
 
-    triton = _version("triton")
+    from attnplug.versions import installed_version
+
+    triton = installed_version("triton")
     if triton is None:
         try:  # an unpackaged install
             import triton as _triton  # noqa: F401
@@ -324,19 +325,45 @@ def _junit_path(junitxml: str, name: str, many: bool) -> str:
     return str(p.with_name(f"{p.stem}-{safe}{p.suffix or '.xml'}"))
 
 
+def _device_problem(device: str) -> Optional[str]:
+    """Why ``device`` cannot run the suite (one line), or None: the string must parse and the
+    device must take a tensor."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+    try:
+        torch.empty(1, device=dev)
+    except Exception as exc:  # not compiled in, not present, index out of range
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unusable'}"
+    return None
+
+
 def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[str] = None,
                     keyword: Optional[str] = None, junitxml: Optional[str] = None, *,
-                    device: Optional[str] = None, pytest_args: Sequence[str] = (), console=None) -> int:
+                    device: Optional[str] = None, pytest_args: Sequence[str] = (), console=None,
+                    thorough: bool = False) -> int:
     """Run the suite against ``backends`` (default: every available one); see the module
-    docstring. ``device`` overrides every backend's device; ``pytest_args`` are passed on.
+    docstring. ``device`` overrides every backend's device; ``pytest_args`` are passed on;
+    ``thorough`` adds every combination of the declared dtypes, head dims and page sizes.
     With several backends, ``junitxml`` gets one file per backend (``PATH-<backend>.xml``)."""
     from rich.text import Text
 
+    from attnplug.cli import fail
+
     console = console or _console()
+    if device is not None:
+        problem = _device_problem(device)
+        if problem:
+            return fail(f"conformance: --device {device!r}: {problem}")
     plan = _plan(backends)
     if plan.error:
-        console.print(Text(f"attnplug conformance: {plan.error}", style="bold red"))
-        return 2
+        return fail(f"conformance: {plan.error}")
+    if plan.selected_by_env:
+        console.print(Text(f"ATTNPLUG_BACKEND={plan.selected_by_env} selects the backend to test "
+                           "(give --backend to choose others)"))
     started = datetime.datetime.now(datetime.timezone.utc)
     results: List[Dict[str, Any]] = []
     exit_code = 0
@@ -349,6 +376,8 @@ def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[s
                 "-W", "ignore::pytest.PytestAssertRewriteWarning"]
         if device:
             args += ["--attnplug-device", device]
+        if thorough:
+            args += ["--attnplug-thorough"]
         if keyword:
             args += ["-k", keyword]
         if junitxml:
@@ -379,6 +408,8 @@ def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[s
             "collect_errors": collector.collect_errors,
             "tests": tests,
         })
+    if keyword and not any(r["tests"] or r["collect_errors"] for r in results):
+        return fail(f"conformance: -k {keyword!r} matched no check (checks: {', '.join(check_names())})")
     print_matrix(console, results, plan.not_run)
     if report:
         data = {

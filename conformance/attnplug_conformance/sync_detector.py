@@ -1,6 +1,6 @@
 """A device-neutral detector of host-device synchronisation, for rule 2.
 
-Rule 2 (DESIGN.md): when a backend declares ``needs_cpu_seq_lens = False``, its graph-replay
+Rule 2 (docs/contract.md): when a backend declares ``needs_cpu_seq_lens = False``, its graph-replay
 metadata (``init_forward_metadata_replay_cuda_graph``) is built from device tensors with
 device-side ops only. On an accelerator, reading a device value from the host (``.item()``,
 ``.tolist()``, ``.cpu()``, ``bool(tensor)``, ``nonzero``, boolean-mask indexing, ...) blocks
@@ -13,6 +13,15 @@ active passes through it, whatever the device, so the same check runs on the hos
 nothing would actually stall) and on any accelerator. The runtime's own strict guard (for
 example a "sync debug mode" of the device runtime) is supplied separately by the backend
 class through ``AttentionBackend.sync_guard()``; the suite runs both.
+
+A second layer, ``_DispatchLayer`` (a ``TorchDispatchMode``), watches the ATen ops every call
+turns into, including those made inside torch's own code and C++ argument parsing: a scalar
+read (``aten._local_scalar_dense``, what ``torch.arange(t.max())``, ``torch.zeros(t.max())``,
+``full((t.max(),), v)``, ``x[:t.max()]``, ``narrow(d, 0, t)`` and ``int(t)`` all become),
+ops whose output size depends on values (``nonzero``, ``masked_select``, ``unique``,
+``bincount`` — with or without ``minlength`` —, ``repeat_interleave`` without
+``output_size``, boolean-mask ``index``), ``equal``, and copies from the device to the host.
+Both layers run inside ``SyncDetector``; the device runtime's own guard is a third.
 
 It reports the op, the rule and the first caller outside torch (file:line):
 
@@ -31,11 +40,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSyncError", "SyncDetector", "RULE"]
+from .rules import RULE_2
+
+__all__ = ["HostSyncError", "SyncDetector", "RULE", "dispatch_offence"]
 
 #: the rule this detector guards, as it appears in every message
-RULE = "rule 2 (no host-device sync in graph-replay metadata)"
+RULE = RULE_2
 
 # Reads of device values into Python objects: always a sync on an accelerator.
 _HOST_READS = {
@@ -114,6 +126,68 @@ def _op_name(func: Any) -> str:
     return f"torch.{name}"
 
 
+# ATen ops (overload packet names) that read device values on the host or size their output
+# from device values.
+_ATEN_SYNC = {
+    "_local_scalar_dense": "reads a device value on the host (a scalar read: .item(), int(), or a tensor used "
+                           "as a size, bound or index such as arange(t.max()), zeros(t.max()), x[:t.max()], "
+                           "narrow(d, 0, t))",
+    "nonzero": "has a data-dependent output size",
+    "argwhere": "has a data-dependent output size",
+    "masked_select": "has a data-dependent output size (boolean mask)",
+    "_unique": "has a data-dependent output size",
+    "_unique2": "has a data-dependent output size",
+    "unique_dim": "has a data-dependent output size",
+    "unique_consecutive": "has a data-dependent output size",
+    "unique_dim_consecutive": "has a data-dependent output size",
+    "bincount": "has a data-dependent output size (max of the input, even with minlength)",
+    "equal": "returns a Python bool computed from device values",
+    "is_nonzero": "reads a device value to decide a Python branch",
+}
+_ATEN_BOOL_INDEX = {"index", "index_put", "index_put_", "_index_put_impl", "_index_put_impl_"}
+
+
+def dispatch_offence(func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
+                     device: Optional[torch.device] = None) -> Optional[str]:
+    """Why an ATen op (``torch.ops.aten.*`` overload) syncs, or None when it does not."""
+    packet = getattr(func, "overloadpacket", None)
+    name = getattr(packet, "__name__", "") or str(func).split(".")[1 if str(func).startswith("aten.") else 0]
+    if name in _ATEN_SYNC:
+        return _ATEN_SYNC[name]
+    if name == "repeat_interleave" and str(getattr(func, "_overloadname", "")) == "Tensor":
+        if kwargs.get("output_size") is None and not (len(args) > 2 and args[2] is not None):
+            return "with tensor repeats and no output_size has a data-dependent output size"
+    if name in _ATEN_BOOL_INDEX:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        if _has_bool_tensor(indices):
+            return "indexes with a boolean mask (data-dependent size)"
+    if name in ("_to_copy", "copy_", "to"):
+        src = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
+        dst_device = None
+        if name == "copy_" and args and _is_tensor(args[0]):
+            dst_device = args[0].device
+        elif kwargs.get("device") is not None:
+            dst_device = torch.device(kwargs["device"])
+        if _is_tensor(src) and dst_device is not None and dst_device.type == "cpu" and src.device.type != "cpu":
+            return "copies a device tensor to the host"
+    return None
+
+
+class _DispatchLayer(TorchDispatchMode):
+    """The ATen-level layer of ``SyncDetector`` (reports through it)."""
+
+    def __init__(self, owner: "SyncDetector"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = None if self.owner._reported else dispatch_offence(func, args, kwargs, self.owner.device)
+        if why is not None:
+            self.owner.report(f"aten.{getattr(getattr(func, 'overloadpacket', None), '__name__', func)}", why)
+        return func(*args, **kwargs)
+
+
 class SyncDetector(TorchFunctionMode):
     """Raise ``HostSyncError`` on any torch call that reads the device from the host or
     builds a tensor from Python data (see the module docstring for the list).
@@ -125,12 +199,33 @@ class SyncDetector(TorchFunctionMode):
     still caught).
     """
 
-    def __init__(self, where: str = "graph-replay metadata", *, device=None, raise_on_violation: bool = True):
+    def __init__(self, where: str = "graph-replay metadata", *, device=None, raise_on_violation: bool = True,
+                 dispatch: bool = True):
         super().__init__()
         self.where = where
         self.device = torch.device(device) if device is not None else None
         self.raise_on_violation = raise_on_violation
         self.violations: List[str] = []
+        self._dispatch = _DispatchLayer(self) if dispatch else None
+        self._reported = 0
+
+    def __enter__(self):
+        result = super().__enter__()
+        if self._dispatch is not None:
+            self._dispatch.__enter__()
+        return result
+
+    def __exit__(self, *exc):
+        if self._dispatch is not None:
+            self._dispatch.__exit__(*exc)
+        return super().__exit__(*exc)
+
+    def report(self, op: str, why: str) -> None:
+        """Record (and, unless ``raise_on_violation=False``, raise) one violation."""
+        message = f"{RULE}: {op}() in {self.where}{_caller()} {why}"
+        self.violations.append(message)
+        if self.raise_on_violation:
+            raise HostSyncError(message)
 
     # ------------------------------------------------------------------ classification
     def offence(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[str]:
@@ -169,12 +264,14 @@ class SyncDetector(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         why = self.offence(func, args, kwargs)
-        if why is not None:
-            message = f"{RULE}: {_op_name(func)}() in {self.where}{_caller()} {why}"
-            self.violations.append(message)
-            if self.raise_on_violation:
-                raise HostSyncError(message)
-        return func(*args, **kwargs)
+        if why is None:
+            return func(*args, **kwargs)
+        self.report(_op_name(func), why)
+        self._reported += 1  # the ATen ops of this call are the same violation: not reported twice
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._reported -= 1
 
 
 def _caller() -> str:

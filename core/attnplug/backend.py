@@ -19,15 +19,16 @@ The three hot-path rules (docs/contract.md) in terms of this class:
 from __future__ import annotations
 
 import abc
-import contextlib
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, ContextManager, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .batch import BatchError, ForwardBatch
+from .batch import BatchError, ForwardBatch, ForwardMode
+from .device_part import DevicePart
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graphs.device_graph import DeviceGraph
@@ -37,6 +38,7 @@ __all__ = [
     "AttentionBackend",
     "Capabilities",
     "GraphSupport",
+    "GRAPH_MODES",
     "BackendConfigError",
     "decide_needs_cpu_seq_lens",
 ]
@@ -47,12 +49,40 @@ class BackendConfigError(ValueError):
 
 
 class GraphSupport(enum.IntEnum):
-    """Which steps a backend can run inside a captured device graph (ordered)."""
+    """Which steps a backend can run inside a captured device graph (ordered); ``modes``
+    lists them (the one table, ``GRAPH_MODES``):
+
+    * ``NEVER``: none;
+    * ``DECODE_ONLY``: DECODE;
+    * ``UNIFORM``: the modes with the same number of new tokens for every request (DECODE,
+      TARGET_VERIFY, DRAFT_EXTEND);
+    * ``ALWAYS``: every mode with new tokens, EXTEND included (the backend's metadata and
+      kernels take variable per-request lengths from device tensors inside a graph).
+
+    ``GraphRunner`` captures only the uniform modes (one graph per batch-size bucket fixes the
+    tokens per request), so under it EXTEND steps run eagerly whatever the level; ``ALWAYS``
+    matters to an engine that captures EXTEND steps itself.
+    """
 
     NEVER = 0
-    DECODE_ONLY = 1  # DECODE
-    UNIFORM = 2  # DECODE, TARGET_VERIFY, DRAFT_EXTEND (same q_len for every request)
-    ALWAYS = 3  # every mode, EXTEND included
+    DECODE_ONLY = 1
+    UNIFORM = 2
+    ALWAYS = 3
+
+    @property
+    def modes(self) -> Tuple[ForwardMode, ...]:
+        """The forward modes this level lets a backend run inside a captured graph."""
+        return GRAPH_MODES[self]
+
+
+#: GraphSupport level -> the forward modes a backend at that level runs inside a captured graph
+GRAPH_MODES: Dict[GraphSupport, Tuple[ForwardMode, ...]] = {
+    GraphSupport.NEVER: (),
+    GraphSupport.DECODE_ONLY: (ForwardMode.DECODE,),
+    GraphSupport.UNIFORM: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
+    GraphSupport.ALWAYS: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                          ForwardMode.EXTEND),
+}
 
 
 @dataclass(frozen=True)
@@ -90,6 +120,20 @@ class Capabilities:
             "sliding_window": self.sliding_window,
         }
 
+    def for_instance(self, *, device_type: str, pdl: bool = False,
+                     graphs: Optional[GraphSupport] = None) -> "Capabilities":
+        """These declared (class-level) capabilities narrowed to one instance: the pool's
+        ``device_type``, whether this instance's kernels really use PDL, and optionally a lower
+        graph level. Raises ``ValueError`` when the instance would claim more than the
+        declaration (PDL not declared, a higher graph level), so an instance can never
+        disagree with what ``describe()`` shows."""
+        if pdl and not self.pdl:
+            raise ValueError("pdl=True but the declared capabilities say pdl=False")
+        graphs = self.graphs if graphs is None else GraphSupport(graphs)
+        if graphs > self.graphs:
+            raise ValueError(f"graphs={graphs.name} is above the declared {self.graphs.name}")
+        return dataclasses.replace(self, device_type=device_type, pdl=bool(pdl), graphs=graphs)
+
 
 def decide_needs_cpu_seq_lens(backends: Iterable["AttentionBackend"]) -> bool:
     """OR of ``needs_cpu_seq_lens`` over every backend an engine runs (target, draft,
@@ -116,6 +160,9 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str] = "abstract"
     #: True unless the backend promises sync-free replay metadata from device tensors
     needs_cpu_seq_lens: ClassVar[bool] = True
+    #: the device's part: graphs, sync guard, synchronisation, what ``attnplug info`` shows
+    #: (``attnplug.device_part.DevicePart``; the default serves any device with eager graphs)
+    device_part: ClassVar[DevicePart] = DevicePart()
 
     def __init__(
         self,
@@ -159,14 +206,62 @@ class AttentionBackend(abc.ABC):
         self._prepared_batch: Optional[ForwardBatch] = None
 
     # ------------------------------------------------------------------ description
-    @abc.abstractmethod
+    @classmethod
+    def declared_capabilities(cls) -> Optional[Capabilities]:
+        """What the backend claims as a class, read without an instance or a device.
+
+        ``device_type`` is ``cls.device_part.device_type`` (``"any"`` for a portable backend),
+        ``needs_cpu_seq_lens`` the class attribute, ``pdl`` True when the kernels use PDL where
+        the device has it (an instance decides at run time), ``graphs`` the level on an install
+        whose device graph class is present. It is the same on every machine (docs/capabilities.md
+        is generated from it). ``describe()`` and ``capabilities()`` are both derived from it
+        (through ``installed_capabilities()``), so they cannot disagree.
+        Must not: touch the device, start its runtime, import a compiler or build anything.
+        Default: None (nothing declared; override ``capabilities()`` then).
+        """
+        return None
+
+    @classmethod
+    def installed_capabilities(cls) -> Optional[Capabilities]:
+        """``declared_capabilities()`` narrowed to this install: ``graphs=NEVER`` when the
+        device part cannot make graphs here (``device_part.graphs_available()`` is False, e.g.
+        its graph class is missing from this version of the device's torch). ``describe()``
+        shows it; ``capabilities()`` narrows it to one instance. None when nothing is declared."""
+        declared = cls.declared_capabilities()
+        if declared is None or cls.device_part.graphs_available():
+            return declared
+        return declared.for_instance(device_type=declared.device_type, pdl=declared.pdl, graphs=GraphSupport.NEVER)
+
     def capabilities(self) -> Capabilities:
         """Describe this instance.
 
         Must: return a frozen ``Capabilities`` whose ``needs_cpu_seq_lens`` equals the class
         attribute and whose ``pdl`` reflects what the kernels really do in this process.
         Must not: touch the device or allocate.
+        Default: ``installed_capabilities()`` narrowed to this instance (the pool's device
+        type, no PDL); a backend whose kernels use PDL narrows with its own decision
+        (``installed_capabilities().for_instance(device_type=..., pdl=...)``).
         """
+        installed = type(self).installed_capabilities()
+        if installed is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement declared_capabilities() or capabilities()")
+        return installed.for_instance(device_type=self.device.type)
+
+    @classmethod
+    def describe(cls) -> Dict[str, Any]:
+        """What ``attnplug info`` shows for the class: ``installed_capabilities()`` in JSON form
+        (``pdl`` is ``"run time"`` when the backend uses PDL where the device has it: each
+        instance decides) plus the device part's facts. Starts no device runtime and builds
+        nothing. Empty when the class declares nothing."""
+        declared = cls.installed_capabilities()
+        facts: Dict[str, Any] = {}
+        if declared is not None:
+            facts = declared.to_json()
+            facts["pdl"] = "run time" if declared.pdl else False
+        for key, value in cls.device_part.describe().items():
+            facts.setdefault(key, value)  # the device part adds facts, never overrides a flag
+        return facts
 
     # ------------------------------------------------------------------ eager steps
     @abc.abstractmethod
@@ -240,7 +335,7 @@ class AttentionBackend(abc.ABC):
         ``validation_enabled()``), because reading them synchronises.
         Call it from the metadata methods; replay calls it only when validation is on."""
         from .batch_checks import check_batch_against_pools
-        from .validate import validation_enabled
+        from .env import validation_enabled
 
         if read_device is None:
             read_device = validation_enabled()
@@ -288,33 +383,23 @@ class AttentionBackend(abc.ABC):
                 raise ValueError(f"{name} is on {t.device}, the KV pool on {self.device}")
 
     # ------------------------------------------------------------------ device services
-    # Defaults for a device without graphs or sync guards; plugins override them so the
-    # graph runner and the conformance suite stay device-neutral.
+    # They delegate to ``device_part`` so the graph runner and the conformance suite stay
+    # device-neutral; a plugin sets ``device_part`` rather than overriding these.
     @classmethod
     def new_graph(cls) -> "DeviceGraph":
-        """A fresh graph object of this backend's device (default: the eager stand-in)."""
-        from .graphs.device_graph import EagerGraph
-
-        return EagerGraph()
+        """A fresh graph object of this backend's device (``device_part.new_graph()``)."""
+        return cls.device_part.new_graph()
 
     @classmethod
     def sync_guard(cls) -> ContextManager:
         """A context that makes a host-device sync an error on this device, where the device
-        runtime offers one (default: nothing; the suite's own detector still runs)."""
-        return contextlib.nullcontext()
-
-    @classmethod
-    def run_benchmarks(cls, *, only=None, quick: bool = False, json_path: Optional[str] = None) -> dict:
-        """Run the benchmarks this backend's plugin ships (``attnplug bench``): print a table,
-        write JSON to ``json_path``, return the results. Default: none are shipped."""
-        raise NotImplementedError(f"backend {cls.name!r} ships no benchmarks")
+        runtime offers one (``device_part.sync_guard()``)."""
+        return cls.device_part.sync_guard()
 
     @classmethod
     def synchronize(cls, device: torch.device) -> None:
-        """Wait for all work queued on ``device`` (default: ``torch.accelerator`` when the
-        device is an accelerator, nothing for the host)."""
-        if device.type != "cpu" and hasattr(torch, "accelerator"):
-            torch.accelerator.synchronize(device)
+        """Wait for all work queued on ``device`` (``device_part.synchronize(device)``)."""
+        cls.device_part.synchronize(device)
 
 
 def _batch_identity(batch: ForwardBatch) -> tuple:

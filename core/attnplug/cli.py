@@ -4,7 +4,7 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
 ``SUBCOMMANDS``; each sets ``func`` (``args -> exit code``) on its parser. To add one, write
 ``_add_<name>`` and append it to ``SUBCOMMANDS``.
 
-* ``attnplug info [--json]``: every registered backend (availability and reason, device,
+* ``attnplug info [--json] [--markdown [PATH]]``: every registered backend (availability and reason, device,
   ``needs_cpu_seq_lens``, PDL, graph support) and every plugin load error.
 * ``attnplug conformance [--backend NAME ...] [--report PATH] [-k EXPR] [--junitxml PATH]``: the
   conformance suite (``attnplug_conformance.runner``), a check x backend matrix, a JSON report.
@@ -13,6 +13,8 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
   ships, or the portable suite (``attnplug.bench``).
 * ``attnplug soak [--backend NAME] [--steps N] [--seed S] [--page-size P] [--graphs/--no-graphs] [--json PATH]``:
   a random serving simulation checked every step (``attnplug.soak``).
+* ``attnplug new-plugin NAME [--dir D]``: write a new plugin in the shape every plugin has
+  (``attnplug.scaffold``).
 * ``attnplug --version``.
 """
 
@@ -24,13 +26,32 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS", "info_data"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "info_data", "fail", "ERROR_PREFIX"]
+
+#: how every error of the command starts (argument errors included)
+ERROR_PREFIX = "attnplug: error: "
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Print ``attnplug: error: MESSAGE`` on stderr and return ``code`` (2: the run cannot start)."""
+    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
+    return code
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors read like every other error: ``attnplug: error: <command>: <message>``."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        command = self.prog.partition(" ")[2]
+        self.exit(2, f"{ERROR_PREFIX}{command + ': ' if command else ''}{message}\n")
 
 
 # ---------------------------------------------------------------------------- info
 def info_data(registry=None) -> Dict[str, Any]:
     """What ``attnplug info`` shows, as JSON-able data (``--json`` prints exactly this)."""
     import attnplug
+    from attnplug import env
     from attnplug import registry as reg
 
     registry = registry if registry is not None else reg.get_registry()
@@ -51,8 +72,7 @@ def info_data(registry=None) -> Dict[str, Any]:
         "attnplug_version": attnplug.__version__,
         "plugin_api_version": reg.PLUGIN_API_VERSION,
         "entry_point_group": reg.ENTRY_POINT_GROUP,
-        "environment": {name: os.environ.get(name) for name in (reg.ENV_BACKEND, reg.ENV_PLUGINS,
-                                                                 reg.ENV_PROBE_TIMEOUT)},
+        "environment": env.flags_set(),
         "default_backend": default,
         "default_error": default_error,
         "backends": backends,
@@ -85,35 +105,44 @@ def _console():
 
 
 def _print_info(data: Dict[str, Any]) -> None:
+    """The facts as a narrow table (it fits 100 columns), then one line per backend with its
+    distribution and reason, then what ``describe()`` adds, the default, the environment and the
+    plugin load errors; long lines wrap at the terminal's width."""
+    import dataclasses
+
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
+    from attnplug.backend import Capabilities
+
+    flags = {f.name for f in dataclasses.fields(Capabilities)}  # --json / --markdown show them all
     console = _console()
     table = Table(title=f"attnplug {data['attnplug_version']} backends (plugin API {data['plugin_api_version']})",
-                  title_justify="left")
-    for column in ("backend", "distribution", "priority", "available", "device",
-                   "needs_cpu_seq_lens", "PDL", "graphs", "reason"):
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("backend", "available", "priority", "device", "needs_cpu_seq_lens", "PDL", "graphs"):
         table.add_column(column, overflow="fold")
     for row in data["backends"]:
         ok = row["available"]
         name = row["name"] + (" *" if row["name"] == data["default_backend"] else "")
         table.add_row(
             Text(name),
-            Text(_dist(row["distribution"], row["version"])),
-            str(row["priority"]),
             Text("yes", style="green") if ok else Text("no", style="red"),
+            str(row["priority"]),
             Text(row["device"] or "-"),
             _cell(row["needs_cpu_seq_lens"], ok),
             _cell(row["pdl"], ok),
             _cell(row["graphs"], ok),
-            Text(row["reason"]),
         )
     console.print(table)
-    for row in data["backends"]:  # what a backend's describe() says beyond the table's columns
+    for row in data["backends"]:
+        source = f" ({_dist(row['distribution'], row['version'])})" if row["distribution"] else ""
+        console.print(Text(f"{row['name']}{source}: {row['reason']}"))
+        # what a backend's describe() says beyond the table's columns
         extra = {k: v for k, v in (row.get("capabilities") or {}).items()
-                 if k not in ("pdl", "graphs", "needs_cpu_seq_lens")} if row["available"] else {}
+                 if k not in flags} if row["available"] else {}
         for key, value in extra.items():
-            console.print(Text(f"{row['name']}: {key}: {value}"))
+            console.print(Text(f"  {key}: {value}"))
     if data["default_backend"]:
         console.print(Text(f"* default: get_backend() returns {data['default_backend']!r}"))
     else:
@@ -122,26 +151,41 @@ def _print_info(data: Dict[str, Any]) -> None:
     if env:
         console.print(Text(f"environment: {env}"))
     if data["errors"]:
-        errors = Table(title="plugin load errors", title_justify="left")
-        for column in ("plugin", "distribution", "entry point", "kind", "reason"):
-            errors.add_column(column, overflow="fold")
+        console.print(Text("plugin load errors:", style="red"))
         for error in data["errors"]:
             plugin = error["plugin"] + (f" (backend {error['backend']})" if error.get("backend") else "")
-            errors.add_row(Text(plugin), Text(_dist(error["distribution"], error["version"])),
-                           Text(error["entry_point"]), error["kind"], Text(error["reason"]))
-        console.print(errors)
+            source = f"{_dist(error['distribution'], error['version'])}, entry point {error['entry_point']}"
+            console.print(Text(f"  {plugin} [{error['kind']}] ({source}): {error['reason']}"))
     else:
         console.print(Text("no plugin load errors"))
+
+
+def _write_markdown(path: str) -> int:
+    """``info --markdown PATH``: the declared capability tables (``-``: standard output)."""
+    from attnplug.capabilities_doc import capabilities_markdown
+
+    text = capabilities_markdown()
+    if path == "-":
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(text)
+    except OSError as exc:
+        return fail(f"info: --markdown {path!r}: {exc.strerror or exc}")
+    print(f"wrote {path}")
+    return 0
 
 
 def _run_info(args: argparse.Namespace) -> int:
     from attnplug.registry import RegistryError
 
     try:
+        if args.markdown is not None:
+            return _write_markdown(args.markdown)
         data = info_data()
     except RegistryError as exc:  # e.g. a malformed ATTNPLUG_PROBE_TIMEOUT
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     if args.json:
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -158,7 +202,45 @@ def _add_info(subparsers) -> None:
                     "and every plugin that failed to load. Runs the probes; creates no device context.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
+                        help="write the capability tables every backend class declares as Markdown to PATH "
+                             "(default: standard output); the same on every machine: no probe, no device. "
+                             "docs/capabilities.md is written this way")
     parser.set_defaults(func=_run_info)
+
+
+# ---------------------------------------------------------------------------- new-plugin
+def _run_new_plugin(args: argparse.Namespace) -> int:
+    from attnplug.scaffold import ScaffoldError, plugin_names, write_plugin
+
+    try:
+        names = plugin_names(args.name)
+        files = write_plugin(args.name, args.dir)
+    except ScaffoldError as exc:
+        return fail(f"new-plugin: {exc}")
+    except OSError as exc:
+        return fail(f"new-plugin: cannot write {exc.filename!r}: {exc.strerror or exc}")
+    root = files[0].parent
+    print(f"wrote plugin {names.name!r} ({names.distribution}) into {root}:")
+    for path in files:
+        print(f"  {path.relative_to(root)}")
+    print(f"next: pip install {root} && attnplug conformance --backend {names.name}")
+    return 0
+
+
+def _add_new_plugin(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "new-plugin",
+        help="write a new backend plugin (entry point, probe, portable backend, device part, conformance test)",
+        description="Write a new plugin distribution in the shape every attnplug plugin has: pyproject.toml with "
+                    "the entry point, plugin.py (probe and hook), backend.py (on the portable PyTorch base), "
+                    "device.py (graphs, sync guard, synchronize) and the one-line conformance test. As written "
+                    "it installs and passes `attnplug conformance --backend NAME` (docs/writing-a-plugin.md).",
+    )
+    parser.add_argument("name", metavar="NAME", help="backend name: lowercase letters, digits and '_'")
+    parser.add_argument("--dir", metavar="D", help="directory to write (must not exist or be empty; "
+                                                   "default: ./attnplug-NAME)")
+    parser.set_defaults(func=_run_new_plugin)
 
 
 # ---------------------------------------------------------------------------- conformance
@@ -193,11 +275,6 @@ def _add_conformance(subparsers) -> None:
 
 
 # ---------------------------------------------------------------------------- bench
-def _bench_error(message: str) -> int:
-    print(f"attnplug: error: {message}", file=sys.stderr)
-    return 2
-
-
 def _run_bench(args: argparse.Namespace) -> int:
     # The harness (and the suite a plugin ships) is imported only when this subcommand runs.
     from attnplug import registry
@@ -208,16 +285,16 @@ def _run_bench(args: argparse.Namespace) -> int:
         spec = args.backend or registry.get_registry().select()[0]
         cls, device = resolve_backend(spec, args.device)
     except (registry.RegistryError, SoakSelectionError) as exc:
-        return _bench_error(str(exc))
+        return fail(str(exc))
     except (RuntimeError, ValueError) as exc:  # torch.device() of a malformed --device
-        return _bench_error(f"--device {args.device!r}: {exc}")
+        return fail(f"--device {args.device!r}: {exc}")
     try:
         suite = suite_for(cls)
         options = suite.parse_options(args.set or [])
         result = run_suite(suite, cls, device, only=args.only, quick=args.quick, out_dir=args.out,
                            json_path=args.json, budget_s=args.budget_s, isolate=args.isolate, options=options)
     except (SuiteUnavailable, ValueError) as exc:
-        return _bench_error(str(exc))
+        return fail(str(exc))
     return 1 if result["summary"]["errors"] else 0
 
 
@@ -279,7 +356,7 @@ def _add_soak(subparsers) -> None:
 
 # ---------------------------------------------------------------------------- entry point
 #: functions that add one subcommand each to the ``attnplug`` parser
-SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance, _add_bench, _add_soak]
+SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance, _add_bench, _add_soak, _add_new_plugin]
 
 
 def _version_text() -> str:
@@ -290,7 +367,7 @@ def _version_text() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnplug",
         description="Attention backends for hybrid full + sliding-window KV caches, one plugin per device family.",
     )
@@ -308,7 +385,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    return int(func(args) or 0)
+    from attnplug.env import EnvError
+
+    try:
+        return int(func(args) or 0)
+    except EnvError as exc:  # a malformed ATTNPLUG_* variable, wherever it was read
+        return fail(str(exc))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -23,7 +23,7 @@ from attnplug_conformance.support import (
 __all__ = ["check_accepts_seq_lens_cpu_none"]
 
 
-@conformance_check
+@conformance_check(rule=SEQ_LENS_CPU_NONE)
 def check_accepts_seq_lens_cpu_none(attnplug_capabilities, attnplug_world, attnplug_reference_world):
     """Every mode, eager and replayed, with ``seq_lens_cpu=None``."""
     caps = attnplug_capabilities

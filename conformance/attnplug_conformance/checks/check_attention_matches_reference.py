@@ -1,14 +1,26 @@
 """check_attention_matches_reference — attention output and KV cache equal the reference.
 
-Guards the contract of ``forward``: for every mode (EXTEND without and with a cached prefix,
-DECODE, TARGET_VERIFY, DRAFT_EXTEND, IDLE), GQA ratios 1/4/8 and sliding windows smaller
-than, equal to and larger than the sequence, the backend's output matches the
-``ReferenceBackend`` in a twin world (same spec, same seed: the same inputs at the same
-slots) within the dtype's tolerance, and its KV cache is bit-identical. The prefix of a
-mode case is written by the reference backend in both worlds, so only the step under test
-runs on the backend. Scenario cases run a whole multi-step sequence (every mode, eviction,
-rollback of rejected drafts, a request joining and one leaving) on the backend, once per
-declared dtype, head dim of {64, 128, 256} and page size of {1, 4}.
+Guards the contract of ``forward``: the backend's output matches the ``ReferenceBackend`` in
+a twin world (same spec, same seed: the same inputs at the same slots) within the dtype's
+tolerance, its output has q's shape, dtype and device, and its KV cache is bit-identical
+(free rows and the sink are filled with random values first, so a store anywhere else shows).
+Every step runs twice on the backend: as its declaration asks (``seq_lens_cpu`` only when
+needed) and with the ``seq_lens_cpu`` mirror supplied. The worlds' SWA free lists are
+scrambled, so the full -> SWA translation is never the identity.
+
+* mode cases: EXTEND without and with a cached prefix, DECODE, TARGET_VERIFY, DRAFT_EXTEND,
+  IDLE; GQA ratios 1/4/8; windows smaller than, equal to and larger than the sequence;
+  batch sizes 1, 2, 3 and 10; an explicit ``scaling``; DECODE in each half-precision dtype. The prefix of a mode case is written
+  by the reference backend in both worlds, so only the step under test runs on the backend.
+* tile cases: sequences of 31/32/33, 63/64/65 and 127/128/129 tokens (several windows long)
+  prefilled, decoded, verified and extended on the backend.
+* scenarios: a multi-step sequence (every mode, eviction, rollback of rejected drafts, a
+  request joining and one leaving) in every declared dtype; a shorter one in every declared
+  head dim and every declared page size.
+* long context: one request of 4,100 keys and one short one, DECODE and TARGET_VERIFY, in
+  each declared half-precision dtype, compared with attention computed in float64 as a
+  relative error per (token, layer, head): low-precision accumulation grows with the number
+  of keys and fails here.
 """
 
 from __future__ import annotations
@@ -21,10 +33,12 @@ import torch
 
 from attnplug import ForwardMode
 
+from attnplug_conformance.long_context import run_long_context
 from attnplug_conformance.support import (
     DRAFT_TOKENS,
     EXTEND_CHUNK,
     PREFIX,
+    SUITE_DTYPES,
     Twins,
     base_config,
     conformance_check,
@@ -48,6 +62,14 @@ class Case:
     dtype: Optional[torch.dtype] = None
     head_dim: Optional[int] = None
     page_size: Optional[int] = None
+    kind: str = "mode"  # mode / scenario / every_head_dim / every_page_size / tiles / long_context
+    bs: int = 3
+    scaling: Optional[float] = None
+    lengths: tuple = ()
+
+
+_LARGE_BS = 10
+_TILES = ((31, 32, 33), (63, 64, 65), (127, 128, 129))
 
 
 def _cases():
@@ -57,57 +79,106 @@ def _cases():
             cases.append(Case(f"{mode}-gqa{gqa}-window_smaller", mode, gqa, "smaller"))
         for window in ("equal", "larger"):
             cases.append(Case(f"{mode}-gqa4-window_{window}", mode, 4, window))
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        cases.append(Case(f"scenario-{dtype_name(dtype)}", dtype=dtype))
-    for hd in (64, 128, 256):
-        cases.append(Case(f"scenario-head_dim{hd}", head_dim=hd))
-    for ps in (1, 4):
-        cases.append(Case(f"scenario-page_size{ps}", page_size=ps))
+        if mode != "IDLE":
+            for bs in (1, 2, _LARGE_BS):
+                cases.append(Case(f"{mode}-bs{bs}", mode, bs=bs))
+    for mode in ("EXTEND_prefix", "DECODE", "TARGET_VERIFY"):
+        cases.append(Case(f"{mode}-scaling0.3", mode, scaling=0.3))
+    for dtype in (torch.float16, torch.bfloat16):
+        cases.append(Case(f"DECODE-{dtype_name(dtype)}", "DECODE", dtype=dtype))
+    for lengths in _TILES:
+        cases.append(Case(f"tiles-{'_'.join(map(str, lengths))}", kind="tiles", lengths=lengths))
+    for dtype in SUITE_DTYPES:
+        cases.append(Case(f"scenario-{dtype_name(dtype)}", dtype=dtype, kind="scenario"))
+    cases.append(Case("every_head_dim", kind="every_head_dim"))
+    cases.append(Case("every_page_size", kind="every_page_size"))
+    cases.append(Case("every_combination", kind="every_combination"))
+    for dtype in (torch.float16, torch.bfloat16):
+        cases.append(Case(f"long_context-{dtype_name(dtype)}", dtype=dtype, kind="long_context"))
     return cases
 
 
 CASES = _cases()
 
 
-def _final_lengths(mode: str):
+def _prefix(n: int):
+    """Prompt lengths of ``n`` requests (``PREFIX``, continued with other lengths)."""
+    return [PREFIX[i % len(PREFIX)] + 2 * (i // len(PREFIX)) for i in range(n)]
+
+
+def _chunk(n: int):
+    return [EXTEND_CHUNK[i % len(EXTEND_CHUNK)] for i in range(n)]
+
+
+def _final_lengths(mode: str, n: int = _N):
     if mode == "EXTEND_no_prefix":
-        return list(PREFIX[:_N])
+        return _prefix(n)
     if mode == "EXTEND_prefix":
-        return [p + e for p, e in zip(PREFIX[:_N], EXTEND_CHUNK)]
+        return [p + e for p, e in zip(_prefix(n), _chunk(n))]
     if mode == "IDLE":
-        return list(PREFIX[:_N])
+        return _prefix(n)
     q = 1 if mode == "DECODE" else DRAFT_TOKENS[ForwardMode[mode]]
-    return [p + q for p in PREFIX[:_N]]
+    return [p + q for p in _prefix(n)]
 
 
 def _window(kind: str, finals) -> int:
     if kind == "smaller":
         return 3
     if kind == "equal":
-        return finals[1]  # the longest request attends to exactly its whole sequence
+        return max(finals)  # the longest request attends to exactly its whole sequence
     return max(finals) + 7
 
 
 def _mode_case(case: Case, cfg, make_world, make_ref) -> None:
-    finals = _final_lengths(case.mode)
-    spec = cfg.spec(num_heads=2 * case.gqa, sliding_window=_window(case.window, finals))
+    n = case.bs
+    finals = _final_lengths(case.mode, n)
+    spec = cfg.spec(num_heads=2 * case.gqa, sliding_window=_window(case.window, finals), scaling=case.scaling)
     if not cfg.sliding_window:
         require(case.window == "larger", "capabilities().sliding_window is False: window cases other than "
                                          "'larger' (no SWA layer) do not apply")
     twins = Twins(make_world(spec, 11), make_ref(spec, 11))
-    idx = list(range(_N))
+    idx = list(range(n))
     if case.mode == "EXTEND_no_prefix":
-        twins.add(_N)
-        twins.step(ForwardMode.EXTEND, idx, list(PREFIX[:_N]))
+        twins.add(n)
+        twins.step(ForwardMode.EXTEND, idx, _prefix(n))
         return
-    twins.setup(PREFIX[:_N])
+    twins.setup(_prefix(n))
     if case.mode == "IDLE":
         twins.step(ForwardMode.IDLE)
         twins.step(ForwardMode.DECODE, idx, what="DECODE step after an IDLE step")
         return
     mode = ForwardMode.EXTEND if case.mode == "EXTEND_prefix" else ForwardMode[case.mode]
-    new, ndt = new_tokens_of(mode, _N)
-    twins.step(mode, idx, new, num_draft_tokens=ndt)
+    _, ndt = new_tokens_of(mode, n)
+    twins.step(mode, idx, _chunk(n) if mode is ForwardMode.EXTEND else None, num_draft_tokens=ndt)
+
+
+def _tiles(case: Case, cfg, make_world, make_ref) -> None:
+    """Sequences around attention tile sizes, several windows long, every mode on the backend."""
+    longest = max(case.lengths) + 16
+    spec = cfg.spec(sliding_window=8, max_context_len=-(-longest // 16) * 16)
+    twins = Twins(make_world(spec, 13), make_ref(spec, 13))
+    a = twins.add(len(case.lengths))
+    twins.step(ForwardMode.EXTEND, a, list(case.lengths))
+    twins.step(ForwardMode.DECODE, a)
+    twins.step(ForwardMode.TARGET_VERIFY, a, num_draft_tokens=3)
+    twins.step(ForwardMode.EXTEND, a, [2, 1, 3])
+    twins.step(ForwardMode.DRAFT_EXTEND, a, num_draft_tokens=2)
+
+
+def _two_layers(cfg):
+    """A 2-layer spec (one SWA layer when supported, one full): the every_* cases run many shapes."""
+    return cfg.spec(num_layers=2, swa_layer_ids=(0,) if cfg.sliding_window else None)
+
+
+def _short_scenario(spec, make_world, make_ref, what: str) -> None:
+    """Every mode once on the backend (one shape of the every_* cases)."""
+    twins = Twins(make_world(spec, 7), make_ref(spec, 7))
+    a = twins.add(3)
+    twins.step(ForwardMode.EXTEND, a, [5, 12, 9], what=f"EXTEND step ({what})")
+    twins.step(ForwardMode.DECODE, a, what=f"DECODE step ({what})")
+    twins.step(ForwardMode.TARGET_VERIFY, a, num_draft_tokens=3, what=f"TARGET_VERIFY step ({what})")
+    twins.step(ForwardMode.EXTEND, a, [3, 1, 6], what=f"EXTEND step on a prefix ({what})")
+    twins.step(ForwardMode.DRAFT_EXTEND, a, num_draft_tokens=2, what=f"DRAFT_EXTEND step ({what})")
 
 
 def _scenario(cfg, make_world, make_ref) -> None:
@@ -133,10 +204,31 @@ def _scenario(cfg, make_world, make_ref) -> None:
 
 @conformance_check
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def check_attention_matches_reference(case, attnplug_capabilities, attnplug_world, attnplug_reference_world):
+def check_attention_matches_reference(case, attnplug_capabilities, attnplug_world, attnplug_reference_world,
+                                      attnplug_thorough):
     """Outputs within the dtype's tolerance of the reference and bit-identical KV caches."""
-    cfg = base_config(attnplug_capabilities, dtype=case.dtype, head_dim=case.head_dim, page_size=case.page_size)
-    if case.mode is None:
-        _scenario(cfg, attnplug_world, attnplug_reference_world)
+    caps = attnplug_capabilities
+    cfg = base_config(caps, dtype=case.dtype, head_dim=case.head_dim, page_size=case.page_size)
+    make, make_ref = attnplug_world, attnplug_reference_world
+    if case.kind == "mode":
+        _mode_case(case, cfg, make, make_ref)
+    elif case.kind == "tiles":
+        _tiles(case, cfg, make, make_ref)
+    elif case.kind == "scenario":
+        _scenario(cfg, make, make_ref)
+    elif case.kind == "every_head_dim":
+        for hd in caps.head_dims:
+            _short_scenario(_two_layers(base_config(caps, head_dim=hd)), make, make_ref, f"head_dim {hd}")
+    elif case.kind == "every_page_size":
+        for ps in caps.page_sizes:
+            _short_scenario(_two_layers(base_config(caps, page_size=ps)), make, make_ref, f"page_size {ps}")
+    elif case.kind == "every_combination":
+        require(attnplug_thorough, "runs with --attnplug-thorough (attnplug conformance --thorough)")
+        for dtype in [d for d in SUITE_DTYPES if d in caps.dtypes]:
+            for hd in caps.head_dims:
+                for ps in caps.page_sizes:
+                    cfg = base_config(caps, dtype=dtype, head_dim=hd, page_size=ps)
+                    _short_scenario(_two_layers(cfg), make, make_ref, f"{dtype_name(dtype)}, head_dim {hd}, "
+                                                                      f"page_size {ps}")
     else:
-        _mode_case(case, cfg, attnplug_world, attnplug_reference_world)
+        run_long_context(cfg, make)

@@ -66,7 +66,7 @@ def _types(caps) -> None:
         pytest.fail(f"{CAPABILITIES}: capabilities().to_json() is not JSON-serialisable: {type(exc).__name__}: {exc}")
 
 
-@conformance_check
+@conformance_check(rule=CAPABILITIES)
 @pytest.mark.parametrize("aspect", ["types", "flags", "pdl_env", "graph_level"])
 def check_capabilities_honest(aspect, attnplug_capabilities, attnplug_world):
     """One aspect of the declaration per test."""

@@ -5,10 +5,15 @@
 layer that holds no live token is first filled with random values; after one step (eager,
 or replayed with padding) exactly the step's rows changed, and they hold the step's k and v
 bit for bit. In a padded replay the padded tokens may write slot 0 (the padding sink) and
-nothing else.
+nothing else. With ``save_kv_cache=False`` (the engine stored the step's KV itself) a step
+writes nothing at all. The worlds' SWA free lists are scrambled (SWA slots differ from full
+slots). Twin-world comparisons in the other checks repeat the same integrity check in every
+configuration they run (every declared dtype, head dim and page size).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -23,13 +28,17 @@ from attnplug_conformance.support import (
     conformance_check,
     layer_kind,
     new_tokens_of,
+    require,
     require_graph_mode,
 )
 
 __all__ = ["check_kv_written_only_at_step_slots"]
 
 CASES = [
+    ("eager_paged", ForwardMode.EXTEND),  # the smallest declared page size > 1: neighbours share a page
+    ("eager_no_save", ForwardMode.EXTEND),
     ("eager", ForwardMode.EXTEND),
+    ("eager_no_save", ForwardMode.DECODE),
     ("eager", ForwardMode.DECODE),
     ("eager", ForwardMode.TARGET_VERIFY),
     ("replay_padded", ForwardMode.DECODE),
@@ -43,20 +52,25 @@ def _show(rows) -> str:
     return f"{rows[:8]}" + (f" (+{len(rows) - 8} more)" if len(rows) > 8 else "")
 
 
-@conformance_check
+@conformance_check(rule=KV_SLOTS)
 @pytest.mark.parametrize("path,mode", CASES, ids=[f"{p}-{m.name}" for p, m in CASES])
 def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnplug_world):
     """Only the step's rows change, and they hold the step's k/v."""
     caps = attnplug_capabilities
-    if path != "eager":
+    if path.startswith("replay"):
         require_graph_mode(caps, mode)
-    cfg = base_config(caps)
+    if path == "eager_paged":
+        paged = sorted(p for p in caps.page_sizes if p > 1)
+        require(bool(paged), "capabilities().page_sizes declares no page size > 1")
+        cfg = base_config(caps, page_size=paged[0])
+    else:
+        cfg = base_config(caps)
     world = attnplug_world(cfg.spec(), 51)
     pool = world.pool
     reqs = world.prefill(PREFIX[:_N], backend=world.reference_backend)
     new, ndt = new_tokens_of(mode, _N)
     runner = None
-    if path != "eager":
+    if path.startswith("replay"):
         runner = world.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[4], modes=[mode])
     step = world.plan(mode, reqs, new, num_draft_tokens=ndt)
 
@@ -71,23 +85,34 @@ def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnp
         for buf in (kb, vb):
             noise = torch.randn(buf.shape, generator=gen).to(buf.device, buf.dtype)
             buf.copy_(torch.where(keep[:, None, None], buf, noise))
+    save = path != "eager_no_save"
+    path = "eager" if path == "eager_paged" else path
+    if not save:
+        world.store_kv(step)  # the engine's own store
     before = world.snapshot_kv()
 
     if runner is not None:
         runner.run(step.batch, step.inputs)
-    else:
+    elif save:
         world.run_eager(step)
+    else:
+        # The layers get other k/v than the engine stored: a layer that stores anyway shows.
+        other = dict(step.inputs, k=-step.inputs["k"], v=-step.inputs["v"])
+        world.run_eager(dataclasses.replace(step, inputs=other), save_kv_cache=False)
     world.backend.synchronize(world.device)
 
     loc = step.batch.out_cache_loc.to(torch.int64)
     swa_loc = pool.translate_loc_from_full_to_swa(loc).to(torch.int64)
     padded = runner is not None and runner.bucket_for(step.batch) * (ndt or 1) > step.batch.num_tokens
-    where = f"{path.replace('_', ' ')} {mode.name} step"
+    where = f"{path.replace('_', ' ')} {mode.name} step (page size {cfg.page_size})"
     for layer, (kb0, vb0) in enumerate(before):
         kb, vb = pool.get_kv_buffer(layer)
         slots = swa_loc if pool.is_swa_layer(layer) else loc
         allowed = torch.cat([slots.cpu(), torch.zeros(1, dtype=torch.int64)]) if padded else slots.cpu()
         changed = torch.unique(torch.cat([changed_rows(kb0, kb), changed_rows(vb0, vb)]))
+        if not save and changed.numel():
+            pytest.fail(f"{KV_SLOTS}: {where} with save_kv_cache=False: layer {layer} ({layer_kind(world, layer)}) "
+                        f"wrote slots {_show(changed)}; with save_kv_cache=False a layer must not write the KV cache")
         outside = changed[~torch.isin(changed, allowed)]
         if outside.numel():
             sink = " (slot 0, the padding sink, is allowed in a padded replay)" if padded else ""

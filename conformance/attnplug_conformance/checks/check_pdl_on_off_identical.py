@@ -32,7 +32,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
-@conformance_check
+@conformance_check(rule=RULE_3)
 def check_pdl_on_off_identical(attnplug_capabilities, attnplug_world):
     """PDL on and off give bit-identical outputs and caches, eager and replayed."""
     caps = attnplug_capabilities

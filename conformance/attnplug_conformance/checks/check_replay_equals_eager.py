@@ -34,7 +34,7 @@ _SIZES = {"exact": 4, "padded": 3, "eager_fallback": 6}
 CASES = [(m, k) for m in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) for k in _SIZES]
 
 
-@conformance_check
+@conformance_check(rule=REPLAY)
 @pytest.mark.parametrize("mode,kind", CASES, ids=[f"{m.name}-{k}" for m, k in CASES])
 def check_replay_equals_eager(mode, kind, attnplug_capabilities, attnplug_world, attnplug_reference_world):
     """Replayed outputs and KV equal eager ones (tight tolerance)."""

@@ -34,7 +34,7 @@ __all__ = ["check_replay_metadata_sync_free"]
 METHOD = "init_forward_metadata_replay_cuda_graph"
 
 
-@conformance_check
+@conformance_check(rule=RULE_2)
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND],
                          ids=lambda m: m.name)
 def check_replay_metadata_sync_free(mode, attnplug_capabilities, attnplug_world):

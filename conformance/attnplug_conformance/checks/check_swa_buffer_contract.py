@@ -38,7 +38,7 @@ def _similar(backend) -> str:
     return f"; tensors with 'swa' in their name: {', '.join(found)}" if found else ""
 
 
-@conformance_check
+@conformance_check(rule=RULE_1)
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], ids=lambda m: m.name)
 def check_swa_buffer_contract(mode, attnplug_capabilities, attnplug_world):
     """The buffer exists under its contract name, is static, and holds translate(loc) + zeros."""

@@ -52,7 +52,7 @@ CASES = [
 _N = 3  # requests; replay pads them to the bucket of 4
 
 
-@conformance_check
+@conformance_check(rule=RULE_1)
 @pytest.mark.parametrize("path,mode", CASES, ids=[f"{p}-{m.name}" for p, m in CASES])
 def check_translates_once_per_step(path, mode, attnplug_capabilities, attnplug_world):
     """Exactly one translation per step, in metadata; the layers use the hoisted slots."""

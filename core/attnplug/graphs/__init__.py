@@ -2,8 +2,8 @@
 
 from .collector import collector_paused
 from .device_graph import DeviceGraph, EagerGraph
-from .stream_graph import PoolOps, StreamGraph, torch_pool_ops
 from .runner import GraphCaptureError, GraphRunner, StepFn, default_bucket_sizes
+from .stream_graph import PoolOps, StreamGraph, torch_pool_ops
 
 __all__ = [
     "DeviceGraph",

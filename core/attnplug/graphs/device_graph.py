@@ -39,8 +39,6 @@ class EagerGraph:
     """Stand-in graph: capture runs the step once and remembers it; replay runs it again
     and copies the result into the tensor capture returned."""
 
-    is_device_graph = False
-
     def __init__(self) -> None:
         self._fn: Optional[Callable[[], torch.Tensor]] = None
         self._out: Optional[torch.Tensor] = None

@@ -50,7 +50,7 @@ import torch
 from ..backend import AttentionBackend, GraphSupport, decide_needs_cpu_seq_lens
 from ..batch import ForwardBatch, ForwardMode
 from . import collector
-from .device_graph import DeviceGraph
+from .device_graph import DeviceGraph, EagerGraph
 
 __all__ = ["GraphCaptureError", "GraphRunner", "default_bucket_sizes", "StepFn"]
 
@@ -62,12 +62,13 @@ GraphKey = Tuple[ForwardMode, int]
 #: ``step(batch, inputs) -> Tensor[T, ...]``: runs every layer of one step.
 StepFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
 
-_MODES_BY_SUPPORT = {
-    GraphSupport.NEVER: (),
-    GraphSupport.DECODE_ONLY: (ForwardMode.DECODE,),
-    GraphSupport.UNIFORM: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
-    GraphSupport.ALWAYS: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
-}
+#: the modes a runner can capture: one graph per bucket fixes the tokens per request
+_RUNNER_MODES = GraphSupport.UNIFORM.modes
+
+
+def _capturable(support: GraphSupport) -> Tuple[ForwardMode, ...]:
+    """The modes of ``support`` (core's ``GRAPH_MODES`` table) that a runner captures."""
+    return tuple(m for m in support.modes if m in _RUNNER_MODES)
 
 
 def default_bucket_sizes(max_bs: int) -> Tuple[int, ...]:
@@ -141,7 +142,7 @@ class GraphRunner:
         self.bucket_sizes = tuple(sorted(set(bucket_sizes or default_bucket_sizes(max_bs))))
         if self.bucket_sizes[0] < 1 or self.bucket_sizes[-1] > max_bs:
             raise ValueError(f"bucket sizes must lie in 1..{max_bs}, got {self.bucket_sizes}")
-        supported = _MODES_BY_SUPPORT[backend.capabilities().graphs]
+        supported = _capturable(backend.capabilities().graphs)
         wanted = tuple(modes) if modes is not None else supported
         unsupported = [m.name for m in wanted if m not in supported]
         if unsupported:
@@ -253,7 +254,7 @@ class GraphRunner:
         return {
             "backend": self.backend.name,
             "capture_ran": self.capture_ran,
-            "device_graphs": any(getattr(c.graph, "is_device_graph", False) for c in self.graphs.values()),
+            "device_graphs": any(not isinstance(c.graph, EagerGraph) for c in self.graphs.values()),
             "captured": [_key_name(k) for k in order],
             "failed": {_key_name(k): r for k, r in self.capture_failures.items()},
             "eager_modes": [m.name for m in self.modes if not any(k[0] is m for k in self.graphs)],
@@ -287,12 +288,12 @@ class GraphRunner:
             return "never", f"{mode.name} steps are not captured: {self.not_captured[mode]}"
         if self.bucket_for(batch) is not None:
             return None
+        if mode.is_speculative and batch.num_draft_tokens != self.num_draft_tokens:
+            return "num-draft-tokens", (f"num_draft_tokens={batch.num_draft_tokens}, the graphs are captured for "
+                                        f"num_draft_tokens={self.num_draft_tokens}")
         if not self.capture_ran:
             return "not-captured-yet", (f"capture() has not run yet (run() captures on the first step of "
                                         f"{', '.join(m.name for m in self.modes)})")
-        if mode.is_speculative and batch.num_draft_tokens != self.num_draft_tokens:
-            return "num-draft-tokens", (f"num_draft_tokens={batch.num_draft_tokens}, the graphs were captured for "
-                                        f"num_draft_tokens={self.num_draft_tokens}")
         captured = [b for (m, b) in self.graphs if m is mode]
         if not captured:
             failed = {_key_name(k): r for k, r in self.capture_failures.items() if k[0] is mode}
@@ -361,7 +362,7 @@ def _why_not_captured(mode: ForwardMode, backend: AttentionBackend, supported: T
     graphs = backend.capabilities().graphs.name
     if not supported:
         return f"backend {backend.name!r} declares graphs=NEVER"
-    if mode not in _MODES_BY_SUPPORT[GraphSupport.ALWAYS]:
+    if mode not in _RUNNER_MODES:
         return ("GraphRunner captures only modes with the same number of new tokens per request "
                 "(DECODE, TARGET_VERIFY, DRAFT_EXTEND)")
     if mode not in supported:

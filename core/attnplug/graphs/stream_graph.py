@@ -94,8 +94,6 @@ class StreamGraph:
     ``torch_pool_ops(module)``. Without it a failed capture still retires the pool.
     """
 
-    is_device_graph = True
-
     def __init__(self, module: ModuleType, graph_cls: type, *, pool_ops: Optional[PoolOps] = None) -> None:
         self.module = module
         self.graph = graph_cls()

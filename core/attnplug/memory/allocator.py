@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import validation_enabled
+from ..env import validation_enabled
 from .args import HostInts, host_int
 from .args import first as _first
 from .args import host_ints as _host_int64

@@ -16,7 +16,7 @@ raise ``RegistryError``. The attnplug distribution's own backend names cannot be
 distribution (``discovery``).
 """
 
-from .containment import DEFAULT_PROBE_TIMEOUT, ENV_PROBE_TIMEOUT
+from ..env import DEFAULT_PROBE_TIMEOUT
 from .hookspecs import AttnplugHookspecs, hookimpl, hookspec
 from .records import (
     AmbiguousBackend,
@@ -30,8 +30,6 @@ from .records import (
 )
 from .registry import (
     ENTRY_POINT_GROUP,
-    ENV_BACKEND,
-    ENV_PLUGINS,
     PLUGIN_API_VERSION,
     Registry,
     available_backends,
@@ -52,9 +50,6 @@ __all__ = [
     "BackendUnavailable",
     "DEFAULT_PROBE_TIMEOUT",
     "ENTRY_POINT_GROUP",
-    "ENV_BACKEND",
-    "ENV_PLUGINS",
-    "ENV_PROBE_TIMEOUT",
     "PLUGIN_API_VERSION",
     "PluginError",
     "ProbeResult",

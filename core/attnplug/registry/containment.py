@@ -15,25 +15,22 @@ Every call the registry makes into a plugin (importing its entry point, its hook
   its probe) into a ``RegistryError`` instead of a deadlock or a recursion.
 
 The time limit of probes and ``describe()`` is ``$ATTNPLUG_PROBE_TIMEOUT`` seconds
-(``probe_timeout()``; default ``DEFAULT_PROBE_TIMEOUT``).
+(``probe_timeout()``; default ``attnplug.env.DEFAULT_PROBE_TIMEOUT``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+from .. import env
 from .records import RegistryError
 
 __all__ = [
-    "ENV_PROBE_TIMEOUT",
-    "DEFAULT_PROBE_TIMEOUT",
     "Outcome",
     "TimedCall",
     "contained",
@@ -42,10 +39,6 @@ __all__ = [
     "plugin_call",
     "probe_timeout",
 ]
-
-ENV_PROBE_TIMEOUT = "ATTNPLUG_PROBE_TIMEOUT"
-#: seconds; generous because a probe may import a vendor runtime, which can take a few seconds
-DEFAULT_PROBE_TIMEOUT = 5.0
 
 _local = threading.local()
 
@@ -106,20 +99,13 @@ def contained(fn: Callable[[], Any], what: str) -> Outcome:
 
 
 def probe_timeout() -> Optional[float]:
-    """Seconds a probe or ``describe()`` may take (``$ATTNPLUG_PROBE_TIMEOUT``, default
-    ``DEFAULT_PROBE_TIMEOUT``); ``None`` when set to ``inf``. Raises ``RegistryError`` naming the
-    variable and its value when it is not a positive number."""
-    raw = os.environ.get(ENV_PROBE_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_PROBE_TIMEOUT
+    """Seconds a probe or ``describe()`` may take (``attnplug.env.probe_timeout()``); ``None``
+    for no limit. A malformed ``ATTNPLUG_PROBE_TIMEOUT`` raises ``RegistryError`` naming the
+    variable and its value."""
     try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise RegistryError(f"{ENV_PROBE_TIMEOUT}={raw!r}: expected a positive number of seconds "
-                            f"(default {DEFAULT_PROBE_TIMEOUT:g}; 'inf' for no limit)")
-    return None if math.isinf(value) else value
+        return env.probe_timeout()
+    except env.EnvError as exc:
+        raise RegistryError(str(exc)) from None
 
 
 class TimedCall:

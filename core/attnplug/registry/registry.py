@@ -16,8 +16,10 @@ Environment:
 * ``ATTNPLUG_BACKEND=name``: the backend ``get_backend()`` returns when it is given no name.
   Read at every call.
 * ``ATTNPLUG_PROBE_TIMEOUT=seconds``: how long a probe or a backend class's ``describe()`` may
-  run (default 10); a probe that takes longer makes its backend unavailable ("probe timed out
+  run (default 5); a probe that takes longer makes its backend unavailable ("probe timed out
   after N s"). Read when the probe starts.
+
+All three are parsed by ``attnplug.env``; a malformed value raises ``RegistryError`` naming it.
 
 Trust: plugin code never breaks selection. Every call into a plugin is contained
 (``containment``): an exception, ``SystemExit`` included, is recorded against that plugin or
@@ -32,10 +34,10 @@ plugins is given to neither.
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import importlib.metadata
 import inspect
-import os
 import re
 import sys
 import threading
@@ -46,9 +48,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import pluggy
 
+from .. import env
 from ..backend import AttentionBackend
+from ..versions import api_version
 from . import hookspecs
-from .containment import ENV_PROBE_TIMEOUT, TimedCall, contained, exc_text, guard_reentry, probe_timeout
+from .containment import TimedCall, contained, exc_text, guard_reentry, probe_timeout
 from .discovery import CORE_DISTRIBUTION, ENTRY_POINT_GROUP, core_distributions, discover_entry_points, normalize, plan
 from .hookspecs import PROJECT_NAME, hookimpl
 from .records import (
@@ -65,9 +69,6 @@ from .records import (
 __all__ = [
     "PLUGIN_API_VERSION",
     "ENTRY_POINT_GROUP",
-    "ENV_BACKEND",
-    "ENV_PLUGINS",
-    "ENV_PROBE_TIMEOUT",
     "Registry",
     "load_registry",
     "get_registry",
@@ -82,31 +83,22 @@ __all__ = [
 #: version of the plugin contract (``hookspecs.AttnplugHookspecs``); a plugin declares the
 #: version it was written for and is skipped when the major differs
 PLUGIN_API_VERSION = "1.0"
-ENV_BACKEND = "ATTNPLUG_BACKEND"
-ENV_PLUGINS = "ATTNPLUG_PLUGINS"
 
 _HOOK = "attnplug_register_backends"
-_VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _TARGET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 #: an entry-point value as ``importlib.metadata`` parses it: ``module``, ``module:attr``, ``[extras]``
 _ENTRY_POINT_VALUE_RE = re.compile(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras>\[.*\])\s*)?$")
 
 
-def _api_major(version: str) -> int:
-    match = _VERSION_RE.match(version)
-    assert match, version
-    return int(match.group(1))
-
-
 _exc_text = exc_text
 
 
 def _allow_list_from_env() -> Optional[Tuple[str, ...]]:
-    raw = os.environ.get(ENV_PLUGINS, "").strip()
-    if not raw:
-        return None
-    return tuple(part.strip() for part in raw.split(",") if part.strip())
+    try:
+        return env.plugin_allow_list()
+    except env.EnvError as exc:
+        raise RegistryError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -191,10 +183,9 @@ class Registry:
     """
 
     def __init__(self, records: Sequence[BackendRecord], errors: Sequence[PluginError],
-                 plugin_manager: pluggy.PluginManager, allow: Optional[Tuple[str, ...]] = None) -> None:
+                 allow: Optional[Tuple[str, ...]] = None) -> None:
         self._records: Dict[str, BackendRecord] = {r.name: r for r in records}
         self._errors: Tuple[PluginError, ...] = tuple(errors)
-        self.plugin_manager = plugin_manager
         self.allow = allow
         self._state = threading.Lock()  # guards the dicts below; never held while plugin code runs
         self._probes: Dict[str, ProbeResult] = {}
@@ -339,9 +330,9 @@ class Registry:
         guard_reentry("get_backend")
         origin = "get_backend(name=...)"
         if name is None:
-            env = os.environ.get(ENV_BACKEND, "").strip()
-            if env:
-                name, origin = env, f"{ENV_BACKEND}={env}"
+            wanted = env.backend_name()
+            if wanted:
+                name, origin = wanted, f"{env.BACKEND.name}={wanted}"
         if name is not None:
             return name, self._select(name, origin)
         return self._auto()
@@ -406,7 +397,7 @@ class Registry:
                 names = tuple(n for n, _ in usable)
                 raise AmbiguousBackend(
                     f"several available backends share the top priority {priority}: {', '.join(names)}; "
-                    f"choose one with get_backend(name) or {ENV_BACKEND}=<name>",
+                    f"choose one with get_backend(name) or {env.BACKEND.name}=<name>",
                     candidates=names,
                     priority=priority,
                 )
@@ -596,7 +587,7 @@ def load_registry(
     taken_pm_names: set = set()
     for source in sources:
         if allow_list is not None and source.name not in allow_list:
-            errors.append(source.error("disabled", f"not in {ENV_PLUGINS}={','.join(allow_list)}"))
+            errors.append(source.error("disabled", f"not in {env.PLUGINS.name}={','.join(allow_list)}"))
             continue
         if source.malformed:
             errors.append(source.error("invalid", source.malformed))
@@ -606,7 +597,7 @@ def load_registry(
             errors.append(source.error("import", imported.error))
             continue
         plugin = imported.value
-        declared = contained(lambda: _declared_api_version(plugin), f"{source.describe()}")
+        declared = contained(functools.partial(_declared_api_version, plugin), f"{source.describe()}")
         if not declared.ok:
             errors.append(source.error("api-version", f"reading PLUGIN_API_VERSION raised {declared.error}"))
             continue
@@ -619,7 +610,7 @@ def load_registry(
         while pm_name in taken_pm_names:
             n += 1
             pm_name = f"{base}#{n}"
-        registered = contained(lambda: pm.register(plugin, name=pm_name), f"{source.describe()}")
+        registered = contained(functools.partial(pm.register, plugin, name=pm_name), f"{source.describe()}")
         if not registered.ok:  # PluginValidationError (bad hookimpl), the same object twice, or plugin code
             errors.append(source.error("invalid", registered.error))
             continue
@@ -642,11 +633,11 @@ def load_registry(
                 errors.append(source.error("invalid", _exc_text(exc)))
 
     claims: Dict[str, List[Tuple[_Source, BackendRecord]]] = {}
-    for pm_name, source, plugin in loaded:
+    for pm_name, source, _plugin in loaded:
         others = [p for other_name, _, p in loaded if other_name != pm_name]
         caller = pm.subset_hook_caller(_HOOK, remove_plugins=others)
         registration = _Registration(source)
-        called = contained(lambda: caller(register=registration), f"the {_HOOK} hook of {source.describe()}")
+        called = contained(functools.partial(caller, register=registration), f"the {_HOOK} hook of {source.describe()}")
         registration.closed = True
         if not called.ok:
             errors.append(source.error("hook", f"{_HOOK} raised {called.error}"))
@@ -659,15 +650,16 @@ def load_registry(
 
     records, refused = _settle_names(claims, loading.core)
     errors += refused
-    return Registry(records, errors, pm, allow_list)
+    return Registry(records, errors, allow_list)
 
 
 def _api_version_problem(declared: Any) -> Optional[str]:
     if declared is None:
         return f"does not declare PLUGIN_API_VERSION (this attnplug provides plugin API {PLUGIN_API_VERSION})"
-    if type(declared) is not str or not _VERSION_RE.match(declared):
+    version = api_version(declared)
+    if version is None:
         return f"PLUGIN_API_VERSION={_short_repr(declared)} is not a 'MAJOR.MINOR' string"
-    if _api_major(declared) != _api_major(PLUGIN_API_VERSION):
+    if version[0] != api_version(PLUGIN_API_VERSION)[0]:
         return f"built for plugin API {declared}; this attnplug provides {PLUGIN_API_VERSION} (major versions differ)"
     return None
 
@@ -705,11 +697,11 @@ def _settle_names(claims: Dict[str, List[Tuple[_Source, BackendRecord]]],
             records.append(others[0][1])
         else:
             everyone = "; ".join(f"{_owner(r)} as {r.target!r}" for _, r in others)
-            for source, record in others:
+            for source, _record in others:
                 errors.append(source.error(
                     "duplicate",
                     f"backend name {name!r} is registered by several plugins ({everyone}); none of them gets it. "
-                    f"Uninstall all but one, or load one with {ENV_PLUGINS}",
+                    f"Uninstall all but one, or load one with {env.PLUGINS.name}",
                     backend=name))
     return records, errors
 

@@ -91,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from ..cli import fail
     from . import run_soak
     from .selection import SoakSelectionError
     from .simulation import SoakSetupError
@@ -100,8 +101,7 @@ def run_command(args: argparse.Namespace) -> int:
         config.check()
         report = run_soak(config, log=lambda line: print(line, flush=True))
     except (SoakSelectionError, SoakSetupError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     console = Console(width=140) if not sys.stdout.isatty() else Console()
     report.print_summary(console)
     if args.json:

@@ -35,7 +35,7 @@ import torch
 
 from ..backend import AttentionBackend, GraphSupport, decide_needs_cpu_seq_lens
 from ..batch import ForwardBatch, ForwardMode
-from ..graphs import GraphRunner
+from ..graphs import EagerGraph, GraphRunner
 from ..memory import OutOfKVSlots, OutOfReqSlots, ReqToTokenPool, SWAKVPool, SWATokenAllocator
 from .config import DEFAULT_TOLERANCE, SoakConfig, dtype_name
 from .oracle import History, exact_attention, relative_errors, stack_histories
@@ -122,8 +122,7 @@ class Soak:
                                       inputs={"q": ((L, H, D), self.dtype), "k": ((L, Hkv, D), self.dtype),
                                               "v": ((L, Hkv, D), self.dtype)},
                                       num_draft_tokens=cfg.draft_tokens, bucket_sizes=cfg.buckets)
-            graph_kind = "device graphs" if getattr(backend_cls.new_graph(), "is_device_graph", False) \
-                else "eager stand-in"
+            graph_kind = "eager stand-in" if isinstance(backend_cls.new_graph(), EagerGraph) else "device graphs"
 
         import attnplug
 
@@ -297,7 +296,9 @@ class Soak:
                 rep.out_of_kv_slots += 1
                 after = (self.alloc.full_available_size(), self.alloc.swa_available_size())
                 if after != before:
-                    raise _StepFailed("invariants", f"OutOfKVSlots changed the free counts {before} -> {after}")
+                    raise _StepFailed(
+                        "invariants", f"OutOfKVSlots changed the free counts {before} -> {after}"
+                    ) from None
                 reqs, new = reqs[:-1], new[:-1]
                 continue
             return self._build(mode, reqs, new, locs)

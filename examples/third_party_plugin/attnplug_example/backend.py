@@ -1,17 +1,16 @@
-"""The example backend: the reference backend under another name.
+"""The example backend: the portable PyTorch path under another name.
 
-A real plugin implements every ``AttentionBackend`` method with its own kernels; subclassing the
-reference backend is a convenient way to start (everything works, then replace one method at a
-time and let the conformance suite compare the results).
+A real plugin starts here: everything works on the portable base
+(``attnplug.backends.portable.PortableBackend``); then replace one method at a time with the
+device's own kernels and let the conformance suite compare the results. The device's part
+(graphs, sync guard, synchronisation) is in ``device.py``.
 """
 
-from attnplug.backends.reference import ReferenceBackend
+from attnplug.backends.portable import PortableBackend
+
+from .device import ExampleDevice
 
 
-class ExampleBackend(ReferenceBackend):
+class ExampleBackend(PortableBackend):
     name = "example"
-
-    @classmethod
-    def describe(cls) -> dict:
-        """Class-level hints shown by ``attnplug info`` (no device is touched)."""
-        return {"pdl": False, "graphs": "ALWAYS", "needs_cpu_seq_lens": cls.needs_cpu_seq_lens}
+    device_part = ExampleDevice()

@@ -13,7 +13,7 @@ PLUGIN_API_VERSION = "1.0"
 def probe():
     # A real plugin looks for its device here without initialising it (count devices, check
     # versions) and says what it found or what is missing. This one runs wherever torch does.
-    return ProbeResult(True, "subclass of the reference backend; runs wherever PyTorch does", device="any")
+    return ProbeResult(True, "the portable PyTorch path; runs wherever PyTorch does", device="any")
 
 
 @hookimpl

@@ -13,13 +13,13 @@ Options (environment, read at construction):
 
 * ``ATTNPLUG_DISABLE_PDL=1``: launch without Programmatic Dependent Launch.
 * ``ATTNPLUG_KV_STORE=cpp``: store KV with the CUDA C++ kernel (``csrc/kv_store.cu``, built
-  JIT on first use); when it cannot be built the Triton store is used and ``describe()`` /
-  ``attnplug info`` say why. Default ``triton``.
+  JIT on first use); when it cannot be built the Triton store is used and the instance's
+  ``kv_store_reason`` says why (``attnplug info`` checks the prerequisites only; it builds
+  nothing). Default ``triton``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -27,16 +27,13 @@ import torch
 
 from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
 from attnplug.batch import ForwardBatch
-from attnplug.validate import validation_enabled
+from attnplug.env import validation_enabled
+from attnplug.graph_buffers import GraphBuffers
 
-from .device import cuda_graph, strict_sync_guard
+from .device import CudaDevice, kv_store_choice
+from .kernels.interpret import interpreting
 
 __all__ = ["CudaBackend"]
-
-
-def _interpreter_on() -> bool:
-    """Triton's interpreter runs these kernels on CPU tensors (CI uses it: no GPU there)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @dataclass
@@ -54,30 +51,16 @@ class _StepTables:
     relaunch_key: tuple = ()  # the batch tensors relaunch was built for
 
 
-def _kv_store_choice() -> Tuple[str, str]:
-    """Which KV store kernel to use and why."""
-    wanted = os.environ.get("ATTNPLUG_KV_STORE", "triton").strip().lower()
-    if wanted not in ("triton", "cpp"):
-        raise ValueError(f"ATTNPLUG_KV_STORE must be 'triton' or 'cpp', got {wanted!r}")
-    if wanted == "triton":
-        return "triton", "default (ATTNPLUG_KV_STORE=cpp selects the CUDA C++ kernel)"
-    from .cpp_ext import cpp_kv_store_status, try_load_kv_store_ext
-
-    ok, reason = cpp_kv_store_status()
-    if ok and try_load_kv_store_ext() is not None:
-        return "cpp", "ATTNPLUG_KV_STORE=cpp"
-    return "triton", f"CUDA C++ KV store unavailable: {reason}"
-
-
 class CudaBackend(AttentionBackend):
     """Paged hybrid full + SWA attention on NVIDIA GPUs (see module docstring)."""
 
     name = "cuda"
     needs_cpu_seq_lens = False
+    device_part = CudaDevice()
 
     def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
         super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
-        if self.device.type != "cuda" and not _interpreter_on():
+        if self.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"the cuda backend needs a pool on a CUDA device, got {self.device} "
                 "(on the CPU it runs only under the Triton interpreter, TRITON_INTERPRET=1)"
@@ -90,13 +73,13 @@ class CudaBackend(AttentionBackend):
         self._step_metadata = kernels.step_metadata
         self._workspace_numel = kernels.workspace_numel
         self.pdl, self.pdl_reason = pdl_supported(self.device)
-        self.kv_store_impl, self.kv_store_reason = _kv_store_choice()
+        self.kv_store_impl, self.kv_store_reason = kv_store_choice()
         self.has_swa = bool(pool.swa_layer_ids)
         width = req_to_token_pool.req_to_token.shape[1]
         self.max_context_len = width
         self.forward_metadata: Optional[_StepTables] = None
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
-        self._graph_buffers: Optional[Dict[str, torch.Tensor]] = None
+        self._graph_buffers: Optional[GraphBuffers] = None
         self._graph_tables: Dict[Tuple[int, int], _StepTables] = {}
         self._validate_replay = False
         # Row b of the window table belongs to request b: rows for as many requests as a step
@@ -104,11 +87,13 @@ class CudaBackend(AttentionBackend):
         self._table_rows = torch.arange(req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ description
-    def capabilities(self) -> Capabilities:
+    @classmethod
+    def declared_capabilities(cls) -> Capabilities:
+        """PDL where the device has it (each instance decides: ``capabilities().pdl``)."""
         return Capabilities(
-            device_type=self.device.type,
-            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
-            pdl=self.pdl,
+            device_type=cls.device_part.device_type,
+            needs_cpu_seq_lens=cls.needs_cpu_seq_lens,
+            pdl=True,
             graphs=GraphSupport.UNIFORM,
             dtypes=(torch.float16, torch.bfloat16),
             head_dims=(64, 128, 256),
@@ -116,45 +101,8 @@ class CudaBackend(AttentionBackend):
             sliding_window=True,
         )
 
-    @classmethod
-    def describe(cls) -> dict:
-        """What ``attnplug info`` shows without building a pool: run-time PDL and KV store."""
-        from .kernels import pdl_supported
-
-        pdl, pdl_reason = pdl_supported(torch.device("cuda", torch.cuda.current_device()))
-        store, store_reason = _kv_store_choice()
-        return {
-            "pdl": pdl,
-            "pdl_reason": pdl_reason,
-            "graphs": GraphSupport.UNIFORM.name,
-            "needs_cpu_seq_lens": cls.needs_cpu_seq_lens,
-            "kv_store": store,
-            "kv_store_reason": store_reason,
-        }
-
-    # ------------------------------------------------------------------ device services
-    # Under the Triton interpreter on a machine without CUDA, the base class's eager
-    # stand-ins apply (no graph, no sync guard, nothing to wait for).
-    @classmethod
-    def new_graph(cls):
-        return cuda_graph() if torch.cuda.is_available() else super().new_graph()
-
-    @classmethod
-    def sync_guard(cls):
-        return strict_sync_guard() if torch.cuda.is_available() else super().sync_guard()
-
-    @classmethod
-    def synchronize(cls, device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    @classmethod
-    def run_benchmarks(cls, *, only=None, quick: bool = False, json_path: Optional[str] = None) -> dict:
-        """KV store, step metadata, SWA decode attention and the hybrid step, each against the
-        before path (``attnplug_cuda.bench``; results in docs/benchmarks.md)."""
-        from .bench import run_benchmarks
-
-        return run_benchmarks(only, quick, json_path)
+    def capabilities(self) -> Capabilities:
+        return self.installed_capabilities().for_instance(device_type=self.device.type, pdl=self.pdl)
 
     # ------------------------------------------------------------------ metadata
     def _table_width(self, max_q_len: int) -> int:
@@ -216,19 +164,19 @@ class CudaBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         dev = self.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.cuda_graph_swa_out_cache_loc = torch.zeros(max_num_tokens, **i32)
-        buffers = {
-            "cu_q_lens": torch.zeros(max_bs + 1, **i32),
-            "window_start": torch.zeros(max_bs, **i32),
-            "token_pos": torch.zeros(max_num_tokens, **i32),
-            "workspace": torch.empty(
-                self._workspace_numel(max_num_tokens, self.num_heads, self.head_dim), dtype=torch.float32, device=dev
-            ),
-        }
+        i32 = dict(dtype=torch.int32)
+        # The step_metadata launch writes the whole of cuda_graph_swa_out_cache_loc: [:n]
+        # translated, [n:] zeroed, exactly GraphBuffers.expected_swa_out_cache_loc (tested).
+        buffers = GraphBuffers(dev, max_bs, max_num_tokens)
+        self.cuda_graph_swa_out_cache_loc = buffers.swa_out_cache_loc
+        buffers.add("cu_q_lens", max_bs + 1, **i32)
+        buffers.add("window_start", "requests", **i32)
+        buffers.add("token_pos", "tokens", **i32)
+        buffers.add("workspace", self._workspace_numel(max_num_tokens, self.num_heads, self.head_dim),
+                    dtype=torch.float32)
         if self.has_swa:
             # Rows of any captured (bs, q_len) fit: bs * (W + q_len - 1) <= max_bs * W + max_num_tokens.
-            buffers["swa_window_table"] = torch.zeros(max_bs * self.sliding_window + max_num_tokens, **i32)
+            buffers.add("swa_window_table", max_bs * self.sliding_window + max_num_tokens, **i32)
         if max_bs > self._table_rows.shape[0]:  # padded buckets may exceed the request table
             self._table_rows = torch.arange(max_bs, dtype=torch.int32, device=dev)
         self._graph_buffers = buffers
@@ -245,8 +193,7 @@ class CudaBackend(AttentionBackend):
         t = self._graph_tables.get(key)
         if t is None:
             bs, n, b = batch.batch_size, batch.num_tokens, self._graph_buffers
-            if n > self.cuda_graph_swa_out_cache_loc.shape[0] or bs + 1 > b["cu_q_lens"].shape[0]:
-                raise ValueError(f"batch of {bs} requests / {n} tokens exceeds the graph state")
+            b.check_fits(bs, n)
             table = None
             if self.has_swa:
                 width = self._table_width(batch.q_len)

@@ -40,6 +40,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import List, Optional, Sequence, Tuple, Union
 
+from attnplug import env
+
 __all__ = [
     "CSRC_DIR",
     "KV_STORE_CU",
@@ -70,7 +72,6 @@ SM90_GENCODE = "-gencode=arch=compute_90,code=sm_90"
 _CUDA_CFLAGS: Tuple[str, ...] = (SM90_GENCODE, "-O3", "-lineinfo")
 _CXX_CFLAGS: Tuple[str, ...] = ("-O3",)
 
-_TRUE = ("1", "true", "yes", "on")
 _BUILD_LOG_LINES = 20
 
 _lock = threading.Lock()
@@ -132,14 +133,10 @@ def nvcc_compile_command(
 # --------------------------------------------------------------------------- availability
 
 
-def _disabled_by_env() -> bool:
-    return os.environ.get("ATTNPLUG_DISABLE_CPP", "").strip().lower() in _TRUE
-
-
 def _prerequisites() -> Tuple[bool, str]:
     """Cheap checks, in the order a user fixes them; no build."""
-    if _disabled_by_env():
-        return False, "disabled by ATTNPLUG_DISABLE_CPP=1"
+    if env.cpp_disabled():
+        return False, f"disabled by {env.DISABLE_CPP.name}=1"
     try:
         import torch
     except Exception as exc:  # ImportError or a broken install
@@ -173,15 +170,6 @@ def _arch_flags() -> List[str]:
     if (major, minor) != (9, 0):
         flags.append(f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}")
     return flags
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("ATTNPLUG_CACHE_DIR")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "attnplug"
 
 
 def _loaded_libstdcxx() -> Optional[str]:
@@ -236,7 +224,7 @@ def _build_key(cuda_cflags: Sequence[str]) -> str:
 def kv_store_build_dir(cuda_cflags: Optional[Sequence[str]] = None) -> Path:
     """Build directory of the KV store extension for these flags (default: sm_90 only)."""
     flags = list(cuda_cflags) if cuda_cflags is not None else list(_CUDA_CFLAGS)
-    return _cache_root() / "cpp_ext" / f"kv_store-{_build_key(flags)}"
+    return env.cache_dir() / "cpp_ext" / f"kv_store-{_build_key(flags)}"
 
 
 def _build_and_load() -> Tuple[ModuleType, Path]:
@@ -244,7 +232,7 @@ def _build_and_load() -> Tuple[ModuleType, Path]:
 
     cuda_cflags = [*_arch_flags(), *(f for f in _CUDA_CFLAGS if f != SM90_GENCODE)]
     key = _build_key(cuda_cflags)
-    build_dir = _cache_root() / "cpp_ext" / f"kv_store-{key}"
+    build_dir = env.cache_dir() / "cpp_ext" / f"kv_store-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
         name=f"attnplug_kv_store_{key}",
@@ -255,7 +243,7 @@ def _build_and_load() -> Tuple[ModuleType, Path]:
         extra_ldflags=_ldflags(),
         build_directory=str(build_dir),
         with_cuda=True,
-        verbose=os.environ.get("ATTNPLUG_CPP_VERBOSE", "").strip().lower() in _TRUE,
+        verbose=env.cpp_verbose(),
     )
     return module, build_dir
 
@@ -331,8 +319,6 @@ def kv_store(k, v, k_cache, v_cache, loc, pdl: bool = False) -> bool:
     ``pdl`` requests Programmatic Dependent Launch (decide it with
     ``attnplug_cuda.kernels.pdl.pdl_supported``; ``ATTNPLUG_DISABLE_PDL=1`` turns it off here
     too); returns whether it was used."""
-    from attnplug.pdl import pdl_disabled_by_env
-
-    if pdl and pdl_disabled_by_env():
+    if pdl and env.pdl_disabled():
         pdl = False
     return bool(load_kv_store_ext().kv_store(k, v, k_cache, v_cache, loc, bool(pdl)))

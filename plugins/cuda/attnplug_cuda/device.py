@@ -1,4 +1,5 @@
-"""The CUDA device's parts the core asks a plugin for: a graph and a sync guard.
+"""The CUDA device's part (``CudaDevice``): graphs, the sync guard, synchronisation, and what
+``attnplug info`` shows.
 
 * ``cuda_graph()``: a ``DeviceGraph`` over ``torch.cuda.CUDAGraph`` (core's ``StreamGraph``:
   garbage collector paused, warm-up on a side stream, capture into a shared pool; a failed
@@ -8,19 +9,25 @@
 * ``strict_sync_guard()``: any host-device synchronisation inside the block raises
   (``torch.cuda.set_sync_debug_mode("error")``).
 
+* ``CudaDevice``: the ``DevicePart`` the cuda backend names; on a machine without CUDA (the
+  kernels under the Triton interpreter) it falls back to the core's eager stand-ins.
+  ``describe()`` reads only the environment and the installed tools: no CUDA context, no build.
+
 Everything here touches CUDA only when called, so the module imports on any machine.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
+from attnplug import env
+from attnplug.device_part import DevicePart
 from attnplug.graphs import PoolOps, StreamGraph
 
-__all__ = ["cuda_graph", "strict_sync_guard"]
+__all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice"]
 
 
 def _pool_ops() -> PoolOps:
@@ -42,3 +49,43 @@ def strict_sync_guard() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def kv_store_choice(build: bool = True) -> Tuple[str, str]:
+    """Which KV store kernel to use and why (``ATTNPLUG_KV_STORE``: ``triton``, the default, or
+    ``cpp``). With ``build=False`` the CUDA C++ extension is never built or loaded: a ``cpp``
+    answer then means its prerequisites are met."""
+    wanted = env.kv_store_kernel()  # raises EnvError (a ValueError) naming a bad value
+    if wanted == "triton":
+        return "triton", "default (ATTNPLUG_KV_STORE=cpp selects the CUDA C++ kernel)"
+    from .cpp_ext import cpp_kv_store_status, try_load_kv_store_ext
+
+    ok, reason = cpp_kv_store_status(build=build)
+    if ok and (not build or try_load_kv_store_ext() is not None):
+        return "cpp", "ATTNPLUG_KV_STORE=cpp" + ("" if build else f" ({reason})")
+    return "triton", f"CUDA C++ KV store unavailable: {reason}"
+
+
+class CudaDevice(DevicePart):
+    """CUDA graphs and the strict sync guard where CUDA is available; the core's eager
+    stand-ins otherwise (the kernels under the Triton interpreter on a CPU)."""
+
+    device_type = "cuda"
+
+    def new_graph(self):
+        return cuda_graph() if torch.cuda.is_available() else super().new_graph()
+
+    def sync_guard(self):
+        return strict_sync_guard() if torch.cuda.is_available() else super().sync_guard()
+
+    def synchronize(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def describe(self) -> Dict[str, Any]:
+        """The PDL rule and the KV store choice, from the environment and the installed tools
+        only: no CUDA context is created and nothing is built."""
+        store, store_reason = kv_store_choice(build=False)
+        pdl_rule = ("off: ATTNPLUG_DISABLE_PDL is set" if env.pdl_disabled()
+                    else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)")
+        return {"pdl_rule": pdl_rule, "kv_store": store, "kv_store_reason": store_reason}

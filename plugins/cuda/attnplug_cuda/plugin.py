@@ -8,24 +8,17 @@ passes and the backend is listed or selected.
 from __future__ import annotations
 
 from attnplug.registry import ProbeResult, hookimpl
+from attnplug.versions import at_least, dotted
 
 PLUGIN_API_VERSION = "1.0"
-
-MIN_TRITON = (3, 5)
-
-
-def _version_tuple(version: str):
-    parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
 
 
 def probe() -> ProbeResult:
     """Available when torch is a CUDA build, an NVIDIA GPU is visible and Triton >= 3.5
     imports. Creates no CUDA context (``torch.cuda.device_count`` does not)."""
     import torch
+
+    from .kernels.pdl import MIN_TRITON_VERSION as MIN_TRITON
 
     if getattr(torch.version, "hip", None):
         return ProbeResult(False, f"torch {torch.__version__} is a ROCm build; this backend needs a CUDA build")
@@ -38,11 +31,11 @@ def probe() -> ProbeResult:
     try:
         import triton
     except Exception as exc:  # not installed, or broken
-        return ProbeResult(False, f"triton >= {'.'.join(map(str, MIN_TRITON))} is required: import failed: "
+        return ProbeResult(False, f"triton >= {dotted(MIN_TRITON)} is required: import failed: "
                                   f"{type(exc).__name__}: {exc} (pip install 'attnplug[cuda]')", device=f"{count} GPU(s)")
     version = getattr(triton, "__version__", "0")
-    if _version_tuple(version) < MIN_TRITON:
-        return ProbeResult(False, f"triton {version} is too old; need >= {'.'.join(map(str, MIN_TRITON))}",
+    if not at_least(version, MIN_TRITON):
+        return ProbeResult(False, f"triton {version} is too old; need >= {dotted(MIN_TRITON)}",
                            device=f"{count} GPU(s)")
     return ProbeResult(True, f"{count} NVIDIA GPU(s) visible, CUDA {torch.version.cuda}, triton {version}",
                        device=f"cuda ({count} visible)")

@@ -13,7 +13,7 @@ kernel, same tables), but the way an engine did it before attnplug's hot-path ru
 * KV is stored with ``pool.set_kv_buffer`` (PyTorch ``index_put``), not the fused store;
 * PDL is off.
 
-It deliberately BREAKS the attnplug contract (DESIGN.md rules 1-3: per-layer translation,
+It deliberately BREAKS the attnplug contract (docs/contract.md rules 1-3: per-layer translation,
 host-built metadata, no PDL). It exists so the benchmark suite can measure the cuda backend
 against its predecessor in the same run; never register it or use it in an engine.
 """

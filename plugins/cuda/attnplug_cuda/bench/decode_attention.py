@@ -9,6 +9,7 @@ after evicting out-of-window slots. Metadata is built once (``init_forward_metad
 the layer's attention is timed (``backend.forward(..., save_kv_cache=False)``: the paged
 attention kernel over the step's ``swa_window_table`` and its split-KV combine).
 
+Times are medians of ``triton.testing.do_bench`` (``ctx.timer.device_us``).
 Bytes moved = the window's K and V once: 64 * 4096 * 8 * 128 * 2 B * 2. Reported as TB/s and
 as % of the device-to-device copy bandwidth measured in the same run (bytes read+written).
 
@@ -32,8 +33,7 @@ from typing import List, Optional
 
 import torch
 
-from .common import Ctx, row
-from .timing import copy_bandwidth, cuda_time_us, free_cuda
+from attnplug.bench import Ctx, Timer, copy_bandwidth, free_memory, row
 
 NAME = "decode_attention"
 BS, CONTEXT, WINDOW, H, HKV, D = 64, 32768, 4096, 32, 8, 128
@@ -45,7 +45,7 @@ def _sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, iters: int) -> float:
+def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, rep_ms: float) -> float:
     """The cuda backend's SWA decode attention and the SDPA peers; returns its time (us)."""
     from attnplug import ForwardBatch, ForwardMode, ReqToTokenPool, SWAKVPool
 
@@ -86,7 +86,7 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, iters: int) -
         return backend.forward(q, kv_dummy, kv_dummy, 0, batch, save_kv_cache=False)
 
     out_ours = ours()
-    us = cuda_time_us(ours, iters=iters, warmup=5)
+    us = ctx.timer.device_us(ours, rep_ms=rep_ms)
     tbs = BYTES / (us * 1e-6) / 1e12
     frac = tbs / copy_tb_s
     rows.append(row(NAME, "cuda backend (paged, swa_window_table)", "time", us, "us",
@@ -105,7 +105,7 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, iters: int) -
         diff = (out_sdpa.view(BS, H, D).float() - out_ours.float()).abs().max().item()
         rows.append(row(NAME, "cuda backend vs SDPA (same window)", "max |out diff|", diff, "",
                         target="<= 2e-2", met=diff <= 2e-2))
-        us_sdpa = cuda_time_us(lambda: _sdpa(q4, kc, vc), iters=iters, warmup=5)
+        us_sdpa = ctx.timer.device_us(lambda: _sdpa(q4, kc, vc), rep_ms=rep_ms)
         rows.append(row(NAME, "peer: SDPA, contiguous window, enable_gqa", "time", us_sdpa, "us",
                         achieved_tb_s=BYTES / (us_sdpa * 1e-6) / 1e12, ours_speedup=us_sdpa / us, key=True,
                         detail=f"{BYTES / (us_sdpa * 1e-6) / 1e12:.2f} TB/s; cuda backend {us_sdpa / us:.2f}x its speed"))
@@ -114,7 +114,7 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, iters: int) -
         rows.append(row(NAME, "peer: SDPA, contiguous window", "time", None, "us", error=f"{type(exc).__name__}: {exc}"))
         ctx.log(f"  SDPA contiguous: FAILED {type(exc).__name__}: {exc}")
     kc = vc = None  # free the contiguous copies before the gather peer
-    free_cuda()
+    free_memory(ctx.timer)
 
     table = backend.forward_metadata.swa_window_table  # [BS, WINDOW] int32
 
@@ -125,7 +125,7 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, iters: int) -
         return _sdpa(q4, kg, vg)
 
     try:
-        us_g = cuda_time_us(gather_sdpa, iters=iters, warmup=3)
+        us_g = ctx.timer.device_us(gather_sdpa, rep_ms=rep_ms)
         rows.append(row(NAME, "peer: gather k_cache[table] + SDPA", "time", us_g, "us",
                         achieved_tb_s=BYTES / (us_g * 1e-6) / 1e12, ours_speedup=us_g / us, key=True,
                         detail=f"cuda backend {us_g / us:.2f}x its speed"))
@@ -138,38 +138,39 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, iters: int) -
 
 def run(ctx: Ctx) -> List[dict]:
     rows: List[dict] = ctx.rows
-    iters = 30 if ctx.quick else 100
-    bw = copy_bandwidth(2 << 30, iters=10 if ctx.quick else 20)
+    rep_ms = 30.0 if ctx.quick else 100.0
+    bw = copy_bandwidth(ctx.timer, 2 << 30, rep_ms=rep_ms)
     rows.append(row(NAME, "device-to-device copy (2 GiB, read+write)", "bandwidth", bw["tb_s"], "TB/s",
                     us=bw["us"], bytes=bw["bytes"], key=True))
     ctx.log(f"  copy bandwidth: {bw['tb_s']:.3f} TB/s ({bw['us']:.1f} us for {bw['bytes'] / 1e9:.2f} GB)")
     us = None
     try:
-        us = _paged_and_peers(ctx, rows, bw["tb_s"], iters)
+        us = _paged_and_peers(ctx, rows, bw["tb_s"], rep_ms)
     except Exception as exc:
         rows.append(row(NAME, "cuda backend (paged, swa_window_table)", "time", None, "us",
                         error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
         ctx.log(f"  cuda backend: FAILED {type(exc).__name__}: {exc}")
-    free_cuda()
+    free_memory(ctx.timer)
 
     # flex_attention: compiled in a child process, so a slow or failing compile cannot hang the run.
-    budget = min(ctx.flex_budget_s, max(0.0, ctx.deadline.left() - ctx.reserve_after_s - 15))
+    flex_budget = float(ctx.options.get("flex_budget_s", 150.0))
+    budget = min(flex_budget, max(0.0, ctx.deadline.left() - ctx.reserve_after_s - 15))
     if ctx.quick or budget < 30:
         why = "skipped in --quick" if ctx.quick else f"skipped: time budget ({budget:.0f} s left for it)"
         rows.append(row(NAME, "peer: flex_attention, sliding-window mask", "time", None, "us", notes=why, key=True))
         ctx.log(f"  flex_attention: {why}")
     else:
         ctx.log(f"  flex_attention: compiling in a child process (budget {budget:.0f} s) ...")
-        rows.append(_flex_row(budget, us, iters))
+        rows.append(_flex_row(budget, us, rep_ms))
         ctx.log(f"  flex_attention: {rows[-1]['value']} us {rows[-1].get('error') or ''}")
     return rows
 
 
-def _flex_row(budget: float, ours_us: Optional[float], iters: int) -> dict:
+def _flex_row(budget: float, ours_us: Optional[float], rep_ms: float) -> dict:
     case = "peer: flex_attention, sliding-window mask"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    cmd = [sys.executable, "-m", "attnplug_cuda.bench.decode_attention", "--flex-child", str(iters)]
+    cmd = [sys.executable, "-m", "attnplug_cuda.bench.decode_attention", "--flex-child", str(rep_ms)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -198,7 +199,7 @@ def _flex_row(budget: float, ours_us: Optional[float], iters: int) -> dict:
                + f"compiled in {result.get('compile_s', 0):.0f} s; {BYTES / (us * 1e-6) / 1e12:.2f} TB/s")
 
 
-def _flex_child(iters: int) -> None:
+def _flex_child(rep_ms: float) -> None:
     """Child process: compile flex_attention for the same problem (contiguous window, a
     sliding-window mask whose query sits at position CONTEXT - 1) and time it."""
     import time
@@ -226,7 +227,7 @@ def _flex_child(iters: int) -> None:
         result["compile_s"] = time.time() - t0
         ref = _sdpa(q, k, v)
         result["diff"] = (out.float() - ref.float()).abs().max().item()
-        result["us"] = cuda_time_us(lambda: compiled(q, k, v, block_mask=mask, enable_gqa=True), iters=iters, warmup=5)
+        result["us"] = Timer(dev).device_us(lambda: compiled(q, k, v, block_mask=mask, enable_gqa=True), rep_ms=rep_ms)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
     print("FLEX_RESULT " + json.dumps(result), flush=True)
@@ -234,4 +235,4 @@ def _flex_child(iters: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--flex-child":
-        _flex_child(int(sys.argv[2]))
+        _flex_child(float(sys.argv[2]))

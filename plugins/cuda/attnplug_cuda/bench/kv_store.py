@@ -1,8 +1,9 @@
 """Benchmark 1, ``kv_store``: the per-layer KV store of one decode step, in one CUDA graph.
 
 61 layers (SWA layers: ``layer % 4 != 3``, the rest full), each with its own cache tensors
-(16384 slots of ``[Hkv=8, D=128]`` bf16), 32 new tokens at scattered slots. One captured
-CUDA graph holds the 61 store launches of a step; time per layer = median replay time / 61.
+(16384 slots of ``[Hkv=8, D=128]`` bf16), 32 new tokens at scattered slots. The 61 store
+launches of a step are replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``
+through ``ctx.timer.graph_us``); time per layer = median time of one step / 61.
 
 Variants (same slots, same data):
 
@@ -23,8 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .common import Ctx, row
-from .timing import capture_graph, free_cuda, graph_replay_us
+from attnplug.bench import Ctx, free_memory, row
 
 NAME = "kv_store"
 NUM_LAYERS = 61
@@ -87,8 +87,8 @@ def run(ctx: Ctx) -> List[dict]:
     else:
         reasons["triton pdl"] = pdl_reason
     variants["triton no-pdl"] = triton_step(False)
-    if ctx.skip_cpp:
-        cpp_ok, cpp_reason = False, "skipped (--skip-cpp)"
+    if ctx.options.get("skip_cpp"):
+        cpp_ok, cpp_reason = False, "skipped (--set skip_cpp=1)"
     else:
         ctx.log("  building/loading the CUDA C++ KV store (first build: about a minute) ...")
         from ..cpp_ext import cpp_kv_store_status
@@ -105,19 +105,17 @@ def run(ctx: Ctx) -> List[dict]:
         reasons["cpp no-pdl"] = cpp_reason
     variants["before"] = before_step
 
-    reps, inner = (60, 10) if ctx.quick else (300, 20)
+    rep_ms = 20.0 if ctx.quick else 50.0
     per_layer: Dict[str, float] = {}
     for name, fn in variants.items():
         try:
             for buf in (*pool.k_buffer, *pool.v_buffer):
                 buf.zero_()
-            graph = capture_graph(fn)
-            us = graph_replay_us(graph, reps=reps, inner=inner) / NUM_LAYERS
+            us = ctx.timer.graph_us(fn, rep_ms=rep_ms) / NUM_LAYERS
             ok = all(
                 torch.equal(pool.k_buffer[l][loc_of[l]], ks[l]) and torch.equal(pool.v_buffer[l][loc_of[l]], vs[l])
                 for l in (0, 3, NUM_LAYERS - 1)
             )
-            del graph
             per_layer[name] = us
             pdl = name.endswith(" pdl") and not name.endswith("no-pdl")
             rows.append(row(
@@ -132,7 +130,7 @@ def run(ctx: Ctx) -> List[dict]:
             rows.append(row(NAME, name, "time per layer", None, "us", error=f"{type(exc).__name__}: {exc}",
                             traceback=traceback.format_exc()))
             ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
-        free_cuda()
+        free_memory(ctx.timer)
     for name, why in reasons.items():
         lines = [l.strip() for l in (why or "").splitlines() if l.strip()]
         short = lines[0] if len(lines) <= 1 else f"{lines[-1]} (build failed; full log in the JSON)"

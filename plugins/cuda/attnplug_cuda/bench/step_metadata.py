@@ -1,7 +1,7 @@
 """Benchmark 2, ``step_metadata``: what it costs the host to prepare one graph replay.
 
 World: 4 layers (3 SWA, 1 full), 32 q / 8 KV heads, D=128, bf16, context 1024 tokens per
-request, window 256, requests allocated through ``SWATokenAllocator`` (``_world.py``). Cases:
+request, window 256, requests allocated through ``SWATokenAllocator`` (``attnplug.bench.world``). Cases:
 DECODE at bs = 1, 8, 32, 64, 128 and TARGET_VERIFY (4 draft tokens) at bs = 128 (``--quick``:
 decode 1 and 128, verify 128). Each path runs through ``attnplug.GraphRunner`` (one bucket:
 the case's bs) with the real attention layers as the step.
@@ -30,8 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .common import Ctx, row
-from .timing import free_cuda, host_time_us
+from attnplug.bench import Ctx, free_memory, row
 
 NAME = "step_metadata"
 CONTEXT, WINDOW, NUM_DRAFT, NUM_LAYERS = 1024, 256, 4, 4
@@ -115,8 +114,9 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
     enqueue (host ms, total ms, GPU busy) or None."""
     from attnplug import ForwardMode, GraphRunner
 
+    from attnplug.bench.world import INPUTS, make_step
+
     from ..device import strict_sync_guard
-    from ._world import INPUTS, make_step
 
     q = 1 if mode is ForwardMode.DECODE else NUM_DRAFT
     T = bs * q
@@ -127,7 +127,7 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
         backend, step, max_bs=bs, inputs=INPUTS, num_draft_tokens=NUM_DRAFT if q > 1 else None,
         bucket_sizes=[bs], modes=[mode],
     )
-    runner.capture()
+    runner.capture(strict=True)
     batch = world.batch(mode, bs, with_cpu=(path == "before"))
     inputs = {"x": torch.zeros(T, 1, dtype=INPUTS["x"][1], device=world.pool.device)}
     captured = runner.graphs[(mode, bs)]
@@ -148,11 +148,11 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
         rows.append(row(NAME, case, "prep device ops (runner copies + metadata)", None if k is None else k + c, "ops",
                         kernels=k, copies=c, device_ops=names))
         # (b) host time of one preparation
-        res["prep_us"] = us = host_time_us(lambda: runner.run(batch, inputs), iters=iters)
-        rows.append(row(NAME, case, "host prep time", us, "us"))
+        res["prep_us"] = us = ctx.timer.host_us(lambda: runner.run(batch, inputs), iters=iters)
+        rows.append(row(NAME, case, "host prep time", us, "us", variant=path, bs=bs, series=mode.name.lower()))
         if path == "new":
-            res["md_us"] = host_time_us(lambda: backend.init_forward_metadata_replay_cuda_graph(captured.batch),
-                                        iters=iters)
+            res["md_us"] = ctx.timer.host_us(
+                lambda: backend.init_forward_metadata_replay_cuda_graph(captured.batch), iters=iters)
             rows.append(row(NAME, case, "host time, backend metadata only", res["md_us"], "us"))
     finally:
         captured.graph = real_graph
@@ -189,15 +189,18 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
 def run(ctx: Ctx) -> List[dict]:
     from attnplug import ForwardMode
 
+    from attnplug.bench.world import build_world
+
     from ..backend import CudaBackend
-    from ._world import build_world
     from .before import BeforeBackend
 
     rows: List[dict] = ctx.rows
     sizes = (1, 128) if ctx.quick else (1, 8, 32, 64, 128)
     cases = [(ForwardMode.DECODE, bs) for bs in sizes] + [(ForwardMode.TARGET_VERIFY, 128)]
     iters = 300 if ctx.quick else 2000
-    world = build_world(num_layers=NUM_LAYERS, max_bs=max(sizes), context=CONTEXT, window=WINDOW, num_draft=NUM_DRAFT)
+    world = build_world(num_layers=NUM_LAYERS, max_bs=max(sizes), context=CONTEXT, window=WINDOW, num_draft=NUM_DRAFT,
+                        device=ctx.device)
+    ctx.timer.sync()
     backends = {
         "new": CudaBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW),
         "before": BeforeBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW),
@@ -226,7 +229,7 @@ def run(ctx: Ctx) -> List[dict]:
                                 traceback=traceback.format_exc()))
                 ctx.log(f"  {label} {path}: FAILED {type(exc).__name__}: {exc}")
             finally:
-                free_cuda()
+                free_memory(ctx.timer)
         new, before = res.get("new"), res.get("before")
         if new:
             md_kernels.append((label, new.get("md_kernels"), new.get("md_copies"), (new.get("md_names") or [""])[0]))

@@ -1,51 +1,43 @@
 """Triton kernels of the CUDA plugin, one kernel family per module.
 
 ==================  ==========================================================================
-module              what it does
+module              what it does (the Triton kernel's name, as profiler traces show it)
 ==================  ==========================================================================
 ``pdl``             ``pdl_supported(device)``: may kernels use Programmatic Dependent Launch
-``kv_store``        ``kv_store``: write one step's k/v rows into a layer's cache
-``step_metadata``   ``step_metadata``: ONE launch per step: SWA slot translation (tail zeroed),
-                    ``cu_q_lens``, ``window_start``, ``token_pos``, the SWA window table
-``paged_attention`` ``paged_attention``: attention over the paged cache for every mode
-                    (grouped-query tiles, flash-decoding splits + combine)
+``kv_store``        ``kv_store`` (``_kv_store_kernel``): write one step's k/v rows into a
+                    layer's cache
+``step_metadata``   ``step_metadata`` (``_step_metadata_kernel``): ONE launch per step: SWA
+                    slot translation (tail zeroed), ``cu_q_lens``, ``window_start``,
+                    ``token_pos``, the SWA window table
+``paged_attention`` ``paged_attention`` (``_paged_attention_kernel``, and
+                    ``_split_combine_kernel`` when decode splits the KV range): attention over
+                    the paged cache for every mode (grouped-query tiles, flash-decoding)
 ``interpret``       ``use_interpreter()``: run the kernels on the CPU through the Triton
                     interpreter (plus two fixes for Triton 3.6's interpreter)
-``bench``           ``python -m attnplug_cuda.kernels.bench``: times the kernels on a GPU
 ==================  ==========================================================================
 
 This package imports on any machine: Triton is imported only when a kernel module is
 loaded, through ``load_kernels()`` (or by importing the module directly, e.g.
 ``from attnplug_cuda.kernels.kv_store import kv_store``). To run the kernels on the CPU
 through the Triton interpreter, set ``TRITON_INTERPRET=1`` before the kernel modules are
-first imported.
+first imported. Their timings: ``attnplug bench --backend cuda --only kernels``.
 """
 
 from __future__ import annotations
 
 import functools
 import types
-from typing import Tuple
 
 from .pdl import pdl_supported
 
-__all__ = ["pdl_supported", "triton_available", "load_kernels"]
-
-
-def triton_available() -> Tuple[bool, str]:
-    """``(True, version)`` when Triton imports, else ``(False, reason)``."""
-    try:
-        import triton
-    except Exception as exc:  # ImportError or a broken install: keep the reason
-        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
-    return True, f"triton {getattr(triton, '__version__', '?')}"
+__all__ = ["pdl_supported", "load_kernels"]
 
 
 @functools.lru_cache(maxsize=None)
 def load_kernels() -> types.SimpleNamespace:
-    """Import the kernel modules (and Triton) and return their entry points:
-    ``kv_store``, ``step_metadata``, ``paged_attention``, ``plan_attention`` and
-    ``workspace_numel``. Raises ImportError when Triton is missing."""
+    """Import the kernel modules (and Triton) and return their entry points: ``kv_store``,
+    ``step_metadata``, ``paged_attention`` and ``workspace_numel``. Raises ImportError when
+    Triton is missing."""
     from . import kv_store as _kv
     from . import paged_attention as _pa
     from . import step_metadata as _sm
@@ -54,6 +46,5 @@ def load_kernels() -> types.SimpleNamespace:
         kv_store=_kv.kv_store,
         step_metadata=_sm.step_metadata,
         paged_attention=_pa.paged_attention,
-        plan_attention=_pa.plan_attention,
         workspace_numel=_pa.workspace_numel,
     )

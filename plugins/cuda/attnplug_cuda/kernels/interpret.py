@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["use_interpreter", "ensure_interpreter_compat"]
+__all__ = ["use_interpreter", "ensure_interpreter_compat", "interpreting"]
 
 _TRUE = ("1", "true", "on", "yes")
 
@@ -65,7 +65,8 @@ def _patch_interpreter() -> None:
     builder.create_dot = patched_dot
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True when Triton runs kernels through its interpreter (``TRITON_INTERPRET``)."""
     try:
         import triton
 
@@ -76,7 +77,7 @@ def _interpreting() -> bool:
 
 def ensure_interpreter_compat() -> None:
     """Apply the interpreter fix when the Triton interpreter is on; no-op otherwise."""
-    if _interpreting():
+    if interpreting():
         _patch_interpreter()
 
 

@@ -44,7 +44,7 @@ ensure_interpreter_compat()
 
 
 @triton.jit
-def _kernel(
+def _kv_store_kernel(
     K,
     V,
     KCache,
@@ -125,7 +125,7 @@ def kv_store(
     per_thread = 16 // k_cache.element_size()
     num_warps = max(1, min(8, block // (32 * per_thread)))
     extra = {"launch_pdl": True} if pdl else {}
-    _kernel[(T,)](
+    _kv_store_kernel[(T,)](
         k,
         v,
         k_cache,

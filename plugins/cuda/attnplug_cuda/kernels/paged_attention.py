@@ -18,7 +18,6 @@ table         [R, width] int32           slot table: the slot of key position ``
                                          ``table[table_rows[b], j - table_start[b]]``
 table_rows    [bs] int32/int64           table row of each request
 table_start   [bs] int32/int64 | None    position of column 0 (None: 0 for every request)
-q_scale       [T] float32 | None         per-token factor multiplying the logits
 ============  =========================  ==================================================
 
 Full layers pass ``table=req_to_token, table_rows=req_pool_indices, table_start=None``; SWA
@@ -27,7 +26,7 @@ layers pass the step's ``swa_window_table`` with ``table_rows=arange(bs)`` and
 
 Semantics: new token ``i`` of request ``b`` sits at position ``p = seq_len - q_len_b + i`` and
 attends to keys ``lo <= j <= p`` with ``lo = max(0, p - W + 1)`` under a window ``W``, else
-0; q head ``h`` uses kv head ``h // G``. Logits are ``sm_scale * q_scale[t] * q.k``, the
+0; q head ``h`` uses kv head ``h // G``. Logits are ``sm_scale * q.k``, the
 softmax runs in base 2 with ``log2(e)`` folded into the scale, accumulation is fp32, the
 output has q's dtype. A query with no valid key (a padded request) outputs zeros.
 
@@ -44,7 +43,7 @@ Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV spli
   long extends use ``BLOCK_M`` = 64/128 rows (flash-attention tiling);
 * the program's key range is ``[lo of its first token, p of its last token]``, clipped;
   with ``NUM_SPLITS > 1`` (flash-decoding) that range is cut into ``NUM_SPLITS`` chunks,
-  each program writes a partial ``(m, l, acc)`` and ``_combine_kernel`` merges them in a
+  each program writes a partial ``(m, l, acc)`` and ``_split_combine_kernel`` merges them in a
   second launch. The number of splits comes from host bounds only (``bs``, ``Hkv``,
   ``max_q_len``, ``max_kv_len``, the SM count), so the grid never depends on device values;
   programs past a request's real lengths do no work;
@@ -94,12 +93,11 @@ ensure_interpreter_compat()
 
 @triton.jit
 def _attend_block(
-    acc, l_i, m_i, q, scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V, kv_stride, kv_col,
+    acc, l_i, m_i, q, qk_scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V, kv_stride, kv_col,
     d_valid,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    HAS_QSCALE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One block of BLOCK_N keys from ``start``: online-softmax update of (acc, l, m).
@@ -121,10 +119,7 @@ def _attend_block(
     kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if HAS_QSCALE:
-        qk = qk * scale[:, None] + no_key[None, :]
-    else:
-        qk = qk * scale + no_key[None, :]
+    qk = qk * qk_scale + no_key[None, :]
     if MASKED:
         keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
         if HAS_WINDOW:
@@ -140,7 +135,7 @@ def _attend_block(
 
 
 @triton.jit
-def _attn_kernel(
+def _paged_attention_kernel(
     Q,
     K,
     V,
@@ -153,7 +148,6 @@ def _attn_kernel(
     Table,
     TableRows,
     TableStart,
-    QScale,
     qk_scale,  # sm_scale * log2(e)
     window,
     num_kv_heads,
@@ -172,7 +166,6 @@ def _attn_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    HAS_QSCALE: tl.constexpr,
     HAS_TABLE_START: tl.constexpr,
     PRECISION: tl.constexpr,
     PHASES: tl.constexpr,
@@ -224,10 +217,6 @@ def _attn_kernel(
 
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
-    if HAS_QSCALE:
-        scale = tl.load(QScale + q_rows, mask=row_valid, other=0.0).to(tl.float32) * qk_scale
-    else:
-        scale = qk_scale
 
     t_idx = tl.load(TableRows + b).to(tl.int64)
     t_idx = tl.where((t_idx >= 0) & (t_idx < table_rows_len), t_idx, 0)  # outside the table: row 0
@@ -255,21 +244,21 @@ def _attn_kernel(
         i1 = tl.minimum(tl.maximum(i1, i0), n_blocks)
         for i in range(0, i0):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, PRECISION)
+                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, PRECISION)
         for i in range(i0, i1):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, HAS_QSCALE, PRECISION)
+                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, PRECISION)
         for i in range(i1, n_blocks):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, PRECISION)
+                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, PRECISION)
     else:
         for start in range(s_lo, s_hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, HAS_QSCALE, PRECISION)
+                acc, l_i, m_i, q, qk_scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V,
+                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -286,7 +275,7 @@ def _attn_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _split_combine_kernel(
     PartM,
     PartL,
     PartAcc,
@@ -405,7 +394,6 @@ def paged_attention(
     max_kv_len: int,
     sm_scale: Optional[float] = None,
     window: Optional[int] = None,
-    q_scale: Optional[torch.Tensor] = None,
     workspace: Optional[torch.Tensor] = None,
     pdl: bool = False,
     config: Optional[dict] = None,
@@ -442,11 +430,9 @@ def paged_attention(
     if table_start is not None:
         assert table_start.dim() == 1 and table_start.shape[0] >= bs
         assert table_start.dtype in (torch.int32, torch.int64)
-    if q_scale is not None:
-        assert q_scale.shape == (T,) and q_scale.dtype == torch.float32, "q_scale must be [T] float32"
     for name, t in (
         ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("cu_q_lens", cu_q_lens), ("seq_lens", seq_lens),
-        ("table", table), ("table_rows", table_rows), ("table_start", table_start), ("q_scale", q_scale),
+        ("table", table), ("table_rows", table_rows), ("table_start", table_start),
     ):
         assert t is None or t.device == device, f"{name} is on {t.device}, q on {device}"
     if window is not None:
@@ -484,11 +470,10 @@ def paged_attention(
 
     n_qblocks = triton.cdiv(max(1, max_q_len) * G, plan["BLOCK_M"])
     grid = (n_qblocks, bs * hkv, splits)
-    _attn_kernel[grid](
+    _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         cu_q_lens, seq_lens, table, table_rows,
         table_start if table_start is not None else table_rows,
-        q_scale if q_scale is not None else cu_q_lens,
         float(sm_scale) * _LOG2E,
         window if window is not None else 0,
         hkv,
@@ -496,7 +481,7 @@ def paged_attention(
         table.stride(0), table.shape[1], table.shape[0], k_cache.shape[0],
         G=G, HEAD_DIM=D, BLOCK_D=block_d,
         BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits,
-        HAS_WINDOW=window is not None, HAS_QSCALE=q_scale is not None, HAS_TABLE_START=table_start is not None,
+        HAS_WINDOW=window is not None, HAS_TABLE_START=table_start is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PHASES=bool(plan["PHASES"]),
         PDL=pdl,
@@ -505,7 +490,7 @@ def paged_attention(
     )
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
-        _combine_kernel[(T, H)](
+        _split_combine_kernel[(T, H)](
             part_m, part_l, part_acc, out, H, out.stride(0), out.stride(1),
             HEAD_DIM=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=block_s, PDL=pdl,
             num_warps=1 if block_s * block_d <= 1024 else 4,

@@ -19,28 +19,19 @@ device (``cpu`` included) it answers without initialising CUDA.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Tuple, Union
 
 import torch
 
-from attnplug.pdl import pdl_disabled_by_env
+from attnplug.env import pdl_disabled
+from attnplug.versions import at_least, dotted
+
+from .interpret import interpreting
 
 __all__ = ["pdl_supported", "MIN_TRITON_VERSION"]
 
 #: oldest Triton whose ``tl.extra.cuda`` has ``gdc_wait`` / ``gdc_launch_dependents``
 MIN_TRITON_VERSION = (3, 5)
-_TRUE = ("1", "true", "on", "yes")
-
-
-def _version_tuple(text: str) -> Tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 def _triton_status() -> Tuple[bool, str]:
@@ -49,14 +40,9 @@ def _triton_status() -> Tuple[bool, str]:
     except Exception as exc:  # ImportError, or a broken install
         return False, f"triton is not importable ({type(exc).__name__}: {exc})"
     version = getattr(triton, "__version__", "0")
-    if _version_tuple(version) < MIN_TRITON_VERSION:
-        need = ".".join(map(str, MIN_TRITON_VERSION))
-        return False, f"triton {version} is older than {need} (no gdc_wait / launch_pdl)"
-    try:
-        interpret = bool(triton.knobs.runtime.interpret)
-    except Exception:
-        interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
-    if interpret:
+    if not at_least(version, MIN_TRITON_VERSION):
+        return False, f"triton {version} is older than {dotted(MIN_TRITON_VERSION)} (no gdc_wait / launch_pdl)"
+    if interpreting():
         return False, "the Triton interpreter (TRITON_INTERPRET) has no griddepcontrol"
     return True, f"triton {version}"
 
@@ -70,7 +56,7 @@ def pdl_supported(device: Union[torch.device, str, int, None]) -> Tuple[bool, st
     """``(True, reason)`` when kernels launched on ``device`` may use PDL, else
     ``(False, reason)``; the reason says which condition decided. Never initialises CUDA
     for a non-CUDA device."""
-    if pdl_disabled_by_env():
+    if pdl_disabled():
         return False, "disabled by ATTNPLUG_DISABLE_PDL"
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")
     if dev.type != "cuda":

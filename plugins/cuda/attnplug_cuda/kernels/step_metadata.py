@@ -65,7 +65,7 @@ ensure_interpreter_compat()
 
 
 @triton.jit
-def _kernel(
+def _step_metadata_kernel(
     ReqPoolIdx,
     SeqLens,
     ExtLens,
@@ -223,7 +223,8 @@ def step_metadata(
         assert window is not None, "swa_window_table needs a window"
         assert req_to_token is not None, "swa_window_table needs req_to_token"
         assert req_to_token.dim() == 2 and req_to_token.stride(1) == 1 and req_to_token.dtype == torch.int32, (
-            f"req_to_token must be [R, C] int32 with contiguous rows, got {tuple(req_to_token.shape)} {req_to_token.dtype}"
+            "req_to_token must be [R, C] int32 with contiguous rows, "
+            f"got {tuple(req_to_token.shape)} {req_to_token.dtype}"
         )
         assert req_to_token.device == device, f"req_to_token is on {req_to_token.device}, expected {device}"
         t = swa_window_table
@@ -277,4 +278,4 @@ def step_metadata(
         num_warps=4,
         **extra,
     )
-    return Relaunch(_kernel, grid, args, meta)
+    return Relaunch(_step_metadata_kernel, grid, args, meta)

@@ -1,4 +1,4 @@
-"""A hybrid full + SWA world for the step benchmarks (``step_metadata``, ``hybrid_step``).
+"""A hybrid full + SWA world for whole-step benchmarks, on any device.
 
 ``build_world`` makes one pool, allocator and request table, then ``max_bs`` requests of
 ``context - num_draft`` prefix tokens each, allocated through ``SWATokenAllocator`` (so
@@ -80,13 +80,16 @@ def build_world(
     num_kv_heads: int = 8,
     head_dim: int = 128,
     dtype: torch.dtype = torch.bfloat16,
-    device: str = "cuda",
+    device: object = "cpu",
     fill_random: bool = True,
     seed: int = 0,
 ) -> HybridWorld:
-    """See the module docstring. SWA layers: ``layer % 4 != 3``."""
+    """See the module docstring. SWA layers: ``layer % 4 != 3``. The caller synchronises the
+    device before timing anything (the random fill is queued work)."""
     prefix = context - num_draft
-    assert prefix >= 1 and window >= 1
+    if prefix < 1 or window < 1 or max_bs < 1:
+        raise ValueError(f"build_world needs context > num_draft, window >= 1 and max_bs >= 1; got context={context}, "
+                         f"num_draft={num_draft}, window={window}, max_bs={max_bs}")
     swa_layers = [l for l in range(num_layers) if l % 4 != 3]
     size = max_bs * (context + 8)
     # Live SWA slots per request after eviction: window - 1 + num_draft; plus one prefix in flight.
@@ -110,8 +113,6 @@ def build_world(
         gen = torch.Generator(device=pool.device).manual_seed(seed)
         for buf in (*pool.k_buffer, *pool.v_buffer):
             buf.normal_(generator=gen)
-    if pool.device.type == "cuda":
-        torch.cuda.synchronize()
     return HybridWorld(
         pool=pool, rows=rows, alloc=alloc, num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, context=context, num_draft=num_draft,

@@ -1,0 +1,111 @@
+"""The long-context case of ``check_attention_matches_reference``: precision over thousands of
+keys, measured against attention computed in float64.
+
+A kernel that keeps its softmax sum or its P·V accumulator in a half-precision type passes
+short sequences (a few rounding steps) and drifts as the number of keys grows. Comparing with
+the reference backend would hide part of that (it rounds its output to the same dtype), so
+this case compares with a dense float64 computation from the tokens' history and bounds the
+relative error ``||out - exact|| / ||exact||`` of every (token, layer, head) row.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from attnplug import ForwardMode
+
+from .harness import Step, World
+from .rules import ATTENTION
+from .support import TestConfig, dtype_name, require, spec_sizes
+
+__all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "run_long_context"]
+
+#: prompt lengths: one long request past 4,096 keys and one short one
+LONG_CONTEXT = (4100, 37)
+#: bound on the relative error per (token, layer, head) against float64. A correct kernel
+#: (inputs in the dtype, float32 accumulation, P rounded to the dtype before P·V, output
+#: rounded to the dtype) stays within a few units of the dtype's epsilon.
+LONG_TOL: Dict[torch.dtype, float] = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2, torch.float32: 1e-4}
+
+
+def dense_attention(world: World, step: Step) -> torch.Tensor:
+    """Exact attention of ``step`` (planned, not committed) in float64 on the host:
+    ``[T, L, H, D]``. Keys of a request: its committed history (float64) then the step's
+    own k/v; causal; SWA layers see ``p - W < j <= p``; GQA by ``head // (H / Hkv)``."""
+    spec = world.spec
+    H, Hkv = spec.num_heads, spec.num_kv_heads
+    G = H // Hkv
+    scale = world.backend.scaling
+    q_all = step.inputs["q"].detach().to("cpu", torch.float64)
+    k_new = step.inputs["k"].detach().to("cpu", torch.float64)
+    v_new = step.inputs["v"].detach().to("cpu", torch.float64)
+    outs: List[torch.Tensor] = []
+    offset = 0
+    for req, n in zip(step.requests, step.new_tokens):
+        per_layer = []
+        for layer in range(spec.num_layers):
+            k_hist, v_hist = req.history[layer]
+            keys = torch.cat([k_hist, k_new[offset:offset + n, layer]])  # [S, Hkv, D]
+            values = torch.cat([v_hist, v_new[offset:offset + n, layer]])
+            S = keys.shape[0]
+            q = q_all[offset:offset + n, layer].view(n, Hkv, G, -1)
+            scores = torch.einsum("qhgd,khd->hgqk", q, keys) * scale
+            pos_q = torch.arange(S - n, S)[:, None]
+            pos_k = torch.arange(S)[None, :]
+            mask = pos_k <= pos_q
+            if world.pool.is_swa_layer(layer):
+                mask &= pos_k > pos_q - spec.sliding_window
+            scores = scores.masked_fill(~mask, float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            out = torch.einsum("hgqk,khd->qhgd", p, values).reshape(n, H, -1)
+            per_layer.append(out)
+        outs.append(torch.stack(per_layer, dim=1))
+        offset += n
+    return torch.cat(outs) if outs else q_all.new_zeros(q_all.shape)
+
+
+def _check(out: torch.Tensor, exact: torch.Tensor, world: World, what: str) -> None:
+    dtype = world.spec.dtype
+    tol = LONG_TOL[dtype]
+    a = out.detach().to("cpu", torch.float64)
+    if a.shape != exact.shape:
+        pytest.fail(f"{ATTENTION}: {what}: output shape {tuple(a.shape)}, expected {tuple(exact.shape)}")
+    if not torch.isfinite(a).all():
+        pytest.fail(f"{ATTENTION}: {what}: non-finite output")
+    err = (a - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-12)  # [T, L, H]
+    worst = float(err.max())
+    if worst > tol:
+        t, l, h = [int(i) for i in torch.unravel_index(torch.argmax(err), err.shape)]
+        kind = "SWA" if world.pool.is_swa_layer(l) else "full"
+        pytest.fail(f"{ATTENTION}: {what}: relative error {worst:.3g} against float64 attention at token {t}, "
+                    f"layer {l} ({kind}), head {h} (bound {tol:g} for {dtype_name(dtype)}: accumulate the softmax "
+                    "sum and P·V in float32)")
+
+
+def run_long_context(cfg: TestConfig, make_world) -> None:
+    """One request of ``LONG_CONTEXT[0]`` keys and one short one (prompts stored directly,
+    no attention), then DECODE and TARGET_VERIFY on the backend, each compared with
+    ``dense_attention``. 2 layers (one SWA when supported, one full)."""
+    dtype = cfg.dtype
+    require(dtype in LONG_TOL, f"no long-context bound for {dtype_name(dtype)}")
+    ps = cfg.page_size
+    longest = max(LONG_CONTEXT) + 8
+    size, size_swa = spec_sizes(ps, min_swa=sum(LONG_CONTEXT) + 64 * ps)
+    spec = cfg.spec(num_layers=2, swa_layer_ids=(0,) if cfg.sliding_window else (), num_heads=4, num_kv_heads=1,
+                    sliding_window=64, size=size, size_swa=size_swa, max_reqs=4,
+                    max_context_len=-(-longest // max(ps, 16)) * max(ps, 16))
+    world = make_world(spec, 97)
+    reqs = [world.new_request() for _ in LONG_CONTEXT]
+    prompt = world.plan(ForwardMode.EXTEND, reqs, list(LONG_CONTEXT))
+    world.store_kv(prompt)
+    world.advance(prompt)
+    for mode, ndt in ((ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 3)):
+        step = world.plan(mode, reqs, num_draft_tokens=ndt)
+        exact = dense_attention(world, step)
+        out = world.run_eager(step)
+        world.backend.synchronize(world.device)
+        _check(out, exact, world, f"{mode.name} step over {LONG_CONTEXT[0]} keys ({dtype_name(dtype)})")
+        world.advance(step)

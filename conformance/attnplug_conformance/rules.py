@@ -1,0 +1,19 @@
+"""The names every conformance failure message starts with: the rule or contract clause that
+broke. One place, so that the harness, the instruments and the checks name a rule the same way."""
+
+from __future__ import annotations
+
+__all__ = ["RULE_1", "RULE_2", "RULE_3", "ATTENTION", "REPLAY", "KV_SLOTS", "SEQ_LENS_CPU_NONE", "CAPABILITIES",
+           "ALL_RULES"]
+
+RULE_1 = "rule 1 (hoisted SWA writes)"
+RULE_2 = "rule 2 (no host-device sync in graph-replay metadata)"
+RULE_3 = "rule 3 (PDL on/off identical)"
+ATTENTION = "contract (attention matches the reference)"
+REPLAY = "contract (graph replay equals eager)"
+KV_SLOTS = "contract (KV written only at the step's slots)"
+SEQ_LENS_CPU_NONE = "contract (accepts seq_lens_cpu=None)"
+CAPABILITIES = "contract (capabilities are honest)"
+
+#: every rule name above, for tools that check a message names one
+ALL_RULES = (RULE_1, RULE_2, RULE_3, ATTENTION, REPLAY, KV_SLOTS, SEQ_LENS_CPU_NONE, CAPABILITIES)
