@@ -25,12 +25,14 @@ PREFILL = [5, 7]
 class Env:
     """Pools, two live requests, and a backend; ``decode()`` gives a good DECODE template."""
 
-    def __init__(self, backend_cls=ReferenceBackend, *, head_dim=16, dtype=torch.float32, **backend_kw):
+    def __init__(self, backend_cls=ReferenceBackend, *, head_dim=16, dtype=torch.float32, device="cpu",
+                 **backend_kw):
         torch.manual_seed(0)
+        self.device = torch.device(device)
         self.pool = SWAKVPool(size=SIZE, size_swa=SIZE_SWA, num_layers=3, swa_layer_ids=[0, 2], num_kv_heads=2,
-                              head_dim=head_dim, dtype=dtype, device="cpu")
+                              head_dim=head_dim, dtype=dtype, device=device)
         self.alloc = SWATokenAllocator(self.pool)
-        self.rows = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu")
+        self.rows = ReqToTokenPool(MAX_REQS, MAX_CTX, device)
         self.backend = backend_cls(self.pool, self.rows, num_heads=4, sliding_window=W, **backend_kw)
         self.req = [self.rows.alloc() for _ in PREFILL]
         self.lens = list(PREFILL)
@@ -41,15 +43,16 @@ class Env:
             self.rows.req_to_token[r, :n] = loc[start:start + n].to(torch.int32)
             start += n
         self.live += loc.tolist()
-        batch = ForwardBatch(ForwardMode.EXTEND, 2, torch.tensor(self.req), torch.tensor(PREFILL), loc,
-                             extend_seq_lens=torch.tensor(PREFILL), extend_seq_lens_cpu=PREFILL)
+        dev = self.device
+        batch = ForwardBatch(ForwardMode.EXTEND, 2, torch.tensor(self.req, device=dev),
+                             torch.tensor(PREFILL, device=dev), loc,
+                             extend_seq_lens=torch.tensor(PREFILL, device=dev), extend_seq_lens_cpu=PREFILL)
         self.run(batch)
 
     def inputs(self, T):
         g = torch.Generator().manual_seed(T)
         d, dt = self.pool.head_dim, self.pool.dtype
-        return (torch.randn(T, 4, d, generator=g).to(dt), torch.randn(T, 2, d, generator=g).to(dt),
-                torch.randn(T, 2, d, generator=g).to(dt))
+        return tuple(torch.randn(T, h, d, generator=g).to(self.device, dt) for h in (4, 2, 2))
 
     def run(self, batch, init=None):
         """Metadata once, then every layer; returns [T, layers, H, D]."""
@@ -63,8 +66,9 @@ class Env:
         for i, r in enumerate(self.req):
             self.rows.req_to_token[r, self.lens[i]] = int(loc[i])
         seq = [n + 1 for n in self.lens]
-        return dict(forward_mode=ForwardMode.DECODE, batch_size=2, req_pool_indices=torch.tensor(self.req),
-                    seq_lens=torch.tensor(seq), out_cache_loc=loc)
+        return dict(forward_mode=ForwardMode.DECODE, batch_size=2,
+                    req_pool_indices=torch.tensor(self.req, device=self.device),
+                    seq_lens=torch.tensor(seq, device=self.device), out_cache_loc=loc)
 
     def snapshot(self):
         return [t.clone() for layer in range(3) for t in self.pool.get_kv_buffer(layer)]
@@ -242,13 +246,16 @@ def test_backend_refuses_an_integer_kv_pool():
 # --------------------------------------------------------------------- the device path
 # On an accelerator the values are never read on the host (unless ATTNPLUG_VALIDATE=1): what
 # the device code does with them is what protects the cache. Here the host check is switched
-# off so the CPU runs exactly that path.
+# off so the CPU runs exactly that path (the cuda backend: under the Triton interpreter on the
+# host, on the GPU where there is one).
 def _backends():
-    out = [pytest.param((ReferenceBackend, 16, torch.float32), id="reference")]
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+    out = [pytest.param((ReferenceBackend, 16, torch.float32, "cpu"), id="reference")]
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreting or torch.cuda.is_available():
         from attnplug_cuda.backend import CudaBackend
 
-        out.append(pytest.param((CudaBackend, 64, torch.float16), id="cuda"))
+        device = "cpu" if interpreting else "cuda"  # the kernels run on the host only interpreted
+        out.append(pytest.param((CudaBackend, 64, torch.float16, device), id="cuda"))
     return out
 
 
@@ -270,8 +277,8 @@ def _last_row_holds_keys(env):
 
 @pytest.fixture(params=_backends())
 def device_env(request, monkeypatch):
-    cls, d, dtype = request.param
-    env = Env(cls, head_dim=d, dtype=dtype)
+    cls, d, dtype, device = request.param
+    env = Env(cls, head_dim=d, dtype=dtype, device=device)
     monkeypatch.setattr(env.backend, "check_batch", lambda *a, **k: None)  # as on a device, validation off
     return env
 
@@ -282,7 +289,7 @@ def test_device_path_never_writes_or_reads_outside(device_env, case):
     wrap); a row outside the table reads nothing; outputs stay finite."""
     env = device_env
     fields = env.decode_fields()
-    fields.update(DEVICE_CASES[case](env, fields))
+    fields.update({k: v.to(env.device) for k, v in DEVICE_CASES[case](env, fields).items()})
     before = env.snapshot()
     out = env.run(ForwardBatch(**fields, validate=False))  # device values: ForwardBatch cannot read them
     for a, b in zip(before, env.snapshot()):
@@ -296,13 +303,13 @@ def test_sink_and_free_slots_full_of_nan_never_reach_an_output(device_env):
     """Slot 0 (the padding sink) and every free slot hold NaN/Inf: the outputs of the live
     requests are finite and equal to the same step on a clean cache."""
     env = device_env
-    clean = Env(type(env.backend), head_dim=env.pool.head_dim, dtype=env.pool.dtype)
+    clean = Env(type(env.backend), head_dim=env.pool.head_dim, dtype=env.pool.dtype, device=env.device)
     batch_fields = env.decode_fields()
     clean_fields = clean.decode_fields()
     assert torch.equal(batch_fields["out_cache_loc"], clean_fields["out_cache_loc"])
     new = batch_fields["out_cache_loc"].tolist()
     for layer in range(3):
-        full_live = torch.tensor(env.live + new)
+        full_live = torch.tensor(env.live + new, device=env.device)
         live = env.pool.translate_loc_from_full_to_swa(full_live).long() if env.pool.is_swa_layer(layer) else full_live
         for buf, poison in zip(env.pool.get_kv_buffer(layer), (float("inf"), float("nan"))):
             keep = buf[live].clone()
@@ -319,14 +326,15 @@ def test_padded_requests_of_a_step_leave_the_sink_harmless(device_env):
     """A padded request (row 0, slot 0, seq_len 1) next to a real one: the real output equals
     the step without padding, whatever the sink holds."""
     env = device_env
-    clean = Env(type(env.backend), head_dim=env.pool.head_dim, dtype=env.pool.dtype)
+    clean = Env(type(env.backend), head_dim=env.pool.head_dim, dtype=env.pool.dtype, device=env.device)
     fields, clean_fields = env.decode_fields(), clean.decode_fields()
     for layer in range(3):
         for buf in env.pool.get_kv_buffer(layer):
             buf[0] = float("nan")
-    pad = dict(batch_size=3, req_pool_indices=torch.cat([fields["req_pool_indices"], _t([0])]),
-               seq_lens=torch.cat([fields["seq_lens"], _t([1])]),
-               out_cache_loc=torch.cat([fields["out_cache_loc"], _t([0])]))
+    dev = env.device
+    pad = dict(batch_size=3, req_pool_indices=torch.cat([fields["req_pool_indices"], _t([0]).to(dev)]),
+               seq_lens=torch.cat([fields["seq_lens"], _t([1]).to(dev)]),
+               out_cache_loc=torch.cat([fields["out_cache_loc"], _t([0]).to(dev)]))
     fields.update(pad)
     q, k, v = env.inputs(3)
     env.backend.init_forward_metadata(batch := ForwardBatch(**fields))

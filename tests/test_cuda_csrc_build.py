@@ -319,10 +319,11 @@ def test_chained_pdl_launches_see_predecessor_stores(ext):
     """Each store reads what the previous store just wrote: only a correct wait/trigger pair
     makes the last cache equal to the first input."""
     dev, T, H, D, n = "cuda", 4096, 8, 128, 12
-    caches = [torch.zeros(T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+    # T + 1 rows: row 0 is the padding sink, which a store never writes (slots 1..T are used)
+    caches = [torch.zeros(T + 1, H, D, device=dev, dtype=torch.bfloat16) for _ in range(n)]
     src = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
-    dummy_v = [torch.empty(T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(n)]
-    loc = torch.arange(T, device=dev, dtype=torch.int32)
+    dummy_v = [torch.empty(T + 1, H, D, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+    loc = torch.arange(1, T + 1, device=dev, dtype=torch.int32)
     for _ in range(3):
         for c in caches:
             c.zero_()
@@ -330,8 +331,8 @@ def test_chained_pdl_launches_see_predecessor_stores(ext):
         prev = src
         for c, dv in zip(caches, dummy_v):
             assert ext.kv_store(prev, prev, c, dv, loc, True) is True
-            prev = c
-        torch.testing.assert_close(caches[-1], src, rtol=0, atol=0)
+            prev = c[1:]
+        torch.testing.assert_close(caches[-1][1:], src, rtol=0, atol=0)
 
 
 def test_cuda_graph_replay_matches_eager(ext):

@@ -98,6 +98,7 @@ def _attend_block(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One block of BLOCK_N keys from ``start``: online-softmax update of (acc, l, m).
@@ -105,7 +106,8 @@ def _attend_block(
     A column whose slot is outside ``[1, num_slots)`` (the sink 0, -1 "no slot", garbage) is
     no key in both kinds of block: its K/V are never loaded (masked loads, zeros) and its
     logit is -inf (a bias folded into the scaling multiply-add), so it contributes exactly
-    zero whatever the sink holds."""
+    zero whatever the sink holds. With ``EVEN_D`` (head dim == BLOCK_D) the load mask is
+    constant along the head dim, so K/V rows still load as full-width vectors."""
     offs_n = start + tl.arange(0, BLOCK_N)
     col = offs_n - t_start
     if MASKED:
@@ -114,7 +116,10 @@ def _attend_block(
     else:
         slot = tl.load(t_row + col, mask=(col >= 0) & (col < table_width), other=0)
     has_key = (slot >= 1) & (slot < num_slots)
-    kv_mask = has_key[:, None] & d_valid[None, :]
+    if EVEN_D:
+        kv_mask = has_key[:, None]
+    else:
+        kv_mask = has_key[:, None] & d_valid[None, :]
     no_key = tl.where(has_key, 0.0, float("-inf"))
     kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
@@ -193,6 +198,7 @@ def _paged_attention_kernel(
     pos = seq_len - q_len + tok  # position of each row's token
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     rd_mask = row_valid[:, None] & d_valid[None, :]
 
     # key range of the program: from the first token's lower bound to the last token's position
@@ -245,20 +251,20 @@ def _paged_attention_kernel(
         for i in range(0, i0):
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, PRECISION)
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
         for i in range(i0, i1):
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, PRECISION)
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION)
         for i in range(i1, n_blocks):
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, PRECISION)
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
     else:
         for start in range(s_lo, s_hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, qk_scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, PRECISION)
+                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
