@@ -1,31 +1,24 @@
-"""The conformance suite FAILS each deliberately broken backend (tests/broken_backends.py) with
-a message naming the broken rule, passes the reference backend, and honours declared
-expected failures. The suite runs in-process (``pytest.main`` with a collector plugin), once
-per backend, limited with ``-k`` to the checks that matter; each run is shared by the tests
-that look at it."""
+"""The conformance suite FAILS each deliberately broken backend (tests/broken_backends.py) in
+the check that guards the broken rule, with every failure message naming it, and honours
+declared expected failures. The suite runs in-process (``pytest.main`` with a collector
+plugin), once per backend, limited with ``-k`` to the checks that matter; each run is shared
+by the tests that look at it.
+
+That the whole suite fails each of these backends with ``-x``, and passes a correct one (the
+control mutant: the reference with a no-op override), is shown in
+tests/test_conformance_mutants.py; tests/test_conformance_cli.py runs it on the reference
+backend through ``attnplug conformance``."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from attnplug_conformance.plugin import CHECKS_DIR
-from attnplug_conformance.runner import ResultCollector, pytest_plugin_args
+import suite_runs
 
 
-@functools.lru_cache(maxsize=None)
 def run_suite(backend: str, keyword: str = ""):
     """Outcomes of the suite against ``backend``: ``{nodeid: TestResult}`` (cached)."""
-    collector = ResultCollector()
-    args = [str(CHECKS_DIR), "--attnplug-backend", backend, *pytest_plugin_args(), "-q", "--tb=no",
-            "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
-    if keyword:
-        args += ["-k", keyword]
-    code = pytest.main(args, plugins=[collector])
-    assert code in (0, 1), f"pytest exited with {code} for {backend}: {collector.collect_errors}"
-    assert collector.results, f"nothing ran for {backend}"
-    return collector.results
+    return suite_runs.run_suite(backend, keyword)[0]
 
 
 def results_of(backend, check, keyword=""):
@@ -94,19 +87,6 @@ def test_dirty_tail_fails_only_the_buffer_check_and_other_checks_still_pass():
         by_check.setdefault(r.check, set()).add(r.outcome)
     assert by_check["check_swa_buffer_contract"] == {"failed"}
     assert by_check["check_translates_once_per_step"] == {"passed"}
-
-
-def test_reference_backend_passes_everything():
-    results = run_suite("reference")
-    outcomes = {r.outcome for r in results.values()}
-    bad = [(r.nodeid, r.message) for r in results.values() if r.outcome not in ("passed", "skipped")]
-    assert not bad, bad
-    assert "passed" in outcomes
-    skipped = {r.check: r.message for r in results.values() if r.outcome == "skipped"}
-    # the reference backend declares no PDL: that check is skipped from the capability, by name
-    assert skipped == {"check_pdl_on_off_identical": "capabilities().pdl is False: no PDL launches to compare"}
-    checks = {r.check for r in results.values()}
-    assert checks == {p.stem for p in CHECKS_DIR.glob("check_*.py")}
 
 
 def test_a_correct_pdl_backend_passes_the_pdl_and_capability_checks():

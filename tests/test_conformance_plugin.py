@@ -88,3 +88,25 @@ def test_unknown_backend_is_a_usage_error_naming_the_alternatives(tmp_path, monk
     code, _ = run(tmp_path, "--attnplug-backend", "broken_backends:NoSuchClass", monkeypatch=monkeypatch)
     err = capsys.readouterr().err
     assert code == pytest.ExitCode.USAGE_ERROR and "cannot import backend class" in err
+
+
+def test_quick_profile_runs_the_first_round_and_every_shape_in_run_order(monkeypatch, tmp_path):
+    from attnplug_conformance.plugin import CHECKS_DIR, check_names
+
+    def collected(*args):
+        collector = ResultCollector()
+        code = pytest.main([str(CHECKS_DIR), "--attnplug-backend", "reference", *pytest_plugin_args(), "-q",
+                            "-p", "no:cacheprovider", "--collect-only", *args], plugins=[collector])
+        assert code == 0
+        return [nodeid.split("::")[-1] for nodeid in collector.results]
+
+    monkeypatch.chdir(tmp_path)
+    full, quick = collected(), collected("--attnplug-quick")
+    assert quick == full[:len(quick)] and len(quick) < len(full) // 2  # a prefix of the run order
+    assert {name.split("[")[0] for name in quick} == set(check_names())  # every check
+    ids = [name.split("[reference-")[-1].rstrip("]") for name in quick]
+    for case in ("tiles-31_32_33", "long_context-float16", "every_head_dim", "every_page_size", "pdl_env"):
+        assert case in ids, case
+    assert quick[-2:] == [f"check_attention_matches_reference[reference-{c}]" for c in ("every_head_dim",
+                                                                                      "every_page_size")]
+

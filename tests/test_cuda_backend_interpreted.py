@@ -68,14 +68,17 @@ def test_one_metadata_launch_per_step(monkeypatch):
 
 
 def test_whole_conformance_suite_passes_on_the_cuda_kernels():
-    """The shared suite against the cuda backend: on a GPU for real, in CI through the Triton
-    interpreter (PDL off). Runs in a subprocess so the suite's own pytest session is clean."""
+    """The shared suite against the cuda backend: the whole suite on a GPU; through the Triton
+    interpreter (PDL off) its quick profile (``--attnplug-quick``: every check's first round,
+    a tile boundary, a long context, every declared head dim and page size), since the whole
+    suite takes minutes there. Runs in a subprocess so the suite's own pytest session is clean."""
     import subprocess
     import sys
 
+    quick = [] if torch.cuda.is_available() else ["--attnplug-quick"]
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--attnplug-backend",
-         "attnplug_cuda.backend:CudaBackend", "--attnplug-device", DEVICE],
+         "attnplug_cuda.backend:CudaBackend", "--attnplug-device", DEVICE, *quick],
         capture_output=True, text=True, timeout=1200,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

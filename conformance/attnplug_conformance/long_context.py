@@ -19,7 +19,7 @@ from attnplug import ForwardMode
 
 from .harness import Step, World
 from .rules import ATTENTION
-from .support import TestConfig, dtype_name, require, spec_sizes
+from .support import TestConfig, dtype_name, layer_kind, require, spec_sizes
 
 __all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "run_long_context"]
 
@@ -79,10 +79,9 @@ def _check(out: torch.Tensor, exact: torch.Tensor, world: World, what: str) -> N
     worst = float(err.max())
     if worst > tol:
         t, l, h = [int(i) for i in torch.unravel_index(torch.argmax(err), err.shape)]
-        kind = "SWA" if world.pool.is_swa_layer(l) else "full"
         pytest.fail(f"{ATTENTION}: {what}: relative error {worst:.3g} against float64 attention at token {t}, "
-                    f"layer {l} ({kind}), head {h} (bound {tol:g} for {dtype_name(dtype)}: accumulate the softmax "
-                    "sum and P·V in float32)")
+                    f"layer {l} ({layer_kind(world, l)}), head {h} (bound {tol:g} for {dtype_name(dtype)}: "
+                    "accumulate the softmax sum and P·V in float32)")
 
 
 def run_long_context(cfg: TestConfig, make_world) -> None:

@@ -10,7 +10,10 @@ Asked with ``--attnplug-backend=NAME`` (repeatable; a registry name or ``module:
   modules (``attnplug_conformance/checks/check_*.py``) instead of ``testpaths``; given paths
   are collected as usual (and the check modules among them are collected too);
 * every test that uses the backend fixtures is parametrised over the named backends (the
-  backend is the first component of the test id: ``check_x[reference-DECODE]``).
+  backend is the first component of the test id: ``check_x[reference-DECODE]``);
+* the suite's tests run cheapest-and-sharpest first (``run_order``), so ``-x`` stops early on
+  a broken backend; ``--attnplug-quick`` runs only the first round and the cases covering
+  every declared shape.
 
 A third-party plugin adopts the suite with one line in a test file (docs/conformance.md)::
 
@@ -102,6 +105,15 @@ def pytest_addoption(parser) -> None:
         "--attnplug-device", default=None, dest="attnplug_device", metavar="DEVICE",
         help="torch device for the backends under test (default: from the registry probe; 'cpu' for "
              "module:Class backends)",
+    )
+    group.addoption(
+        "--attnplug-thorough", action="store_true", default=False, dest="attnplug_thorough",
+        help="attnplug conformance: also run every combination of the declared dtypes, head dims and page sizes",
+    )
+    group.addoption(
+        "--attnplug-quick", action="store_true", default=False, dest="attnplug_quick",
+        help="attnplug conformance: run only the first round (a cheap case of every check and bug class) and "
+             "the cases covering every declared head dim and page size; a fast look, not a full result",
     )
     parser.addini("attnplug_backends", type="args", default=[],
                   help="attnplug conformance: backends the adopted suite runs against when "
@@ -206,8 +218,71 @@ def _xfail_reason(declared: dict, item, backend: str) -> Optional[str]:
     return None
 
 
+#: the order the suite's tests run in, so that a run with ``-x`` stops early on a broken
+#: backend:
+#:
+#: 0. the first round: a cheap representative of every check and of the attention check's
+#:    bug classes (``_FIRST_ROUND_CASES``: each mode, batch sizes 1 and 10, an explicit
+#:    scaling, a half-precision output, a tile boundary, a long context), check by check in
+#:    ``_CHECK_ORDER``; a check without cases contributes its first ``_FIRST_ROUND_COUNT``
+#:    parametrizations (default 1);
+#: 1. the costly cases that cover every declared shape (every head dim, every page size);
+#: 2. the rest, check by check;
+#: 3. the remaining costly cases (longer tiles, scenarios, the other long context).
+_CHECK_ORDER = {
+    "check_capabilities_honest": 0,
+    "check_pdl_on_off_identical": 1,
+    "check_swa_buffer_contract": 2,
+    "check_replay_metadata_sync_free": 3,
+    "check_translates_once_per_step": 4,
+    "check_kv_written_only_at_step_slots": 5,
+    "check_attention_matches_reference": 6,
+    "check_replay_equals_eager": 7,
+    "check_accepts_seq_lens_cpu_none": 8,
+}
+_FIRST_ROUND_CASES = {"EXTEND_no_prefix-gqa4-window_smaller", "EXTEND_prefix-gqa4-window_smaller",
+                      "DECODE-gqa4-window_smaller", "TARGET_VERIFY-gqa4-window_smaller",
+                      "DRAFT_EXTEND-gqa4-window_smaller", "IDLE-gqa4-window_smaller", "DECODE-bs1",
+                      "DECODE-bs10", "EXTEND_prefix-bs1", "DECODE-scaling0.3", "DECODE-bfloat16",
+                      "tiles-31_32_33", "long_context-float16"}
+#: tests of the first round per check without cases (their first parametrizations); default 1
+_FIRST_ROUND_COUNT = {"check_capabilities_honest": 3, "check_kv_written_only_at_step_slots": 2}
+#: the costly attention kinds, in the order they run after the first round (cheapest first)
+_COSTLY_KINDS = {"long_context": 0, "tiles": 1, "every_head_dim": 2, "every_page_size": 3, "scenario": 4,
+                 "every_combination": 5}
+_COSTLY_FIRST = {"every_head_dim", "every_page_size"}
+#: ``--attnplug-quick`` runs ranks 0 and 1 (the first round and every declared shape)
+QUICK_LAST_RANK = 1
+
+
+def run_order(item) -> tuple:
+    """Sort key of a test in the run order (non-suite tests first, in their order)."""
+    check = check_name_of(item)
+    if check not in _CHECK_ORDER:
+        return (-1, 0)
+    callspec = getattr(item, "callspec", None)
+    params = getattr(callspec, "params", {})
+    case = params.get("case")
+    if case is not None:
+        if case.id in _FIRST_ROUND_CASES:
+            return (0, _CHECK_ORDER[check])
+        if case.kind in _COSTLY_KINDS:
+            return (1 if case.id in _COSTLY_FIRST else 3, _COSTLY_KINDS[case.kind])
+        return (2, _CHECK_ORDER[check])
+    indices = getattr(callspec, "indices", {})
+    first = all(i < _FIRST_ROUND_COUNT.get(check, 1) for name, i in indices.items() if name != BACKEND_PARAM)
+    return (0 if first else 2, _CHECK_ORDER[check])
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     state = _state(config)
+    if state.asked or any(BACKEND_PARAM in getattr(getattr(i, "callspec", None), "params", {}) for i in items):
+        items[:] = sorted(items, key=run_order)  # stable: the order inside a rank is kept
+        if config.getoption("attnplug_quick", False):
+            deselected = [i for i in items if run_order(i)[0] > QUICK_LAST_RANK]
+            if deselected:
+                items[:] = [i for i in items if run_order(i)[0] <= QUICK_LAST_RANK]
+                config.hook.pytest_deselected(items=deselected)
     known = set(check_names())
     warned = set()
     for item in items:
@@ -303,6 +378,13 @@ def attnplug_world(attnplug_backend_cls, attnplug_device):
     (``attnplug_conformance.harness.World``). ``env`` sets environment variables only while
     the backend is constructed (e.g. ``{"ATTNPLUG_DISABLE_PDL": "1"}``)."""
     return _world_factory(attnplug_backend_cls, attnplug_device)
+
+
+@pytest.fixture
+def attnplug_thorough(request) -> bool:
+    """True with ``--attnplug-thorough`` (``attnplug conformance --thorough``): checks add
+    their costly combinations (every declared dtype x head dim x page size)."""
+    return bool(request.config.getoption("attnplug_thorough", False))
 
 
 @pytest.fixture
