@@ -55,7 +55,7 @@ import time
 import traceback
 import warnings
 import weakref
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _sub in ("conformance", "plugins/cuda", "core"):
@@ -82,8 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-at", type=int, default=None, help="runner index of the deliberate failure (default: middle)")
     p.add_argument("--gc-threshold", type=int, default=100, help="gc.set_threshold(N, 2, 2) during the run")
     p.add_argument("--cpu", action="store_true", help="reference backend on the CPU (eager stand-in graphs)")
-    p.add_argument("--collect-in-capture", action="store_true",
-                   help="diagnostic: gc.collect() inside the first captured region of each runner")
+    p.add_argument(
+        "--collect-in-capture",
+        action="store_true",
+        help="diagnostic: gc.collect() inside the first captured region of each runner",
+    )
     p.add_argument("--budget-s", type=float, default=225.0, help="stop starting runners after this many seconds")
     p.add_argument("--json", default=None, help="JSON log path (default: $OUT/graph_capture_soak.json if $OUT is set)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -113,9 +116,19 @@ def make_world(cfg: dict, backend_cls, device: str) -> World:
     ps, bs = cfg["page_size"], cfg["max_bs"]
     per_request = MAX_PREFILL + 4 * 8 + 2 * ps  # prefill + steps' tokens + partial pages
     size = -(-(bs * per_request + 64) // ps) * ps
-    spec = WorldSpec(num_layers=NUM_LAYERS, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=cfg["head_dim"],
-                     dtype=getattr(torch, cfg["dtype"]), sliding_window=cfg["window"], page_size=ps, size=size,
-                     size_swa=size, max_reqs=bs + 2, max_context_len=per_request + ps)
+    spec = WorldSpec(
+        num_layers=NUM_LAYERS,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=cfg["head_dim"],
+        dtype=getattr(torch, cfg["dtype"]),
+        sliding_window=cfg["window"],
+        page_size=ps,
+        size=size,
+        size_swa=size,
+        max_reqs=bs + 2,
+        max_context_len=per_request + ps,
+    )
     return World(spec, backend_cls, device, seed=cfg["seed"], keep_history=False)
 
 
@@ -209,15 +222,24 @@ class JitWatch:
 
 
 # ---------------------------------------------------------------- one runner
-def soak_one(cfg: dict, backend_cls, device: str, on_gpu: bool, steps: int, deliberate: bool,
-             garbage: list, collect_in_capture: bool = False) -> dict:
+def soak_one(
+    cfg: dict,
+    backend_cls,
+    device: str,
+    on_gpu: bool,
+    steps: int,
+    deliberate: bool,
+    garbage: list,
+    collect_in_capture: bool = False,
+) -> dict:
     rng = random.Random(cfg["seed"])
     world = make_world(cfg, backend_cls, device)
     ndt = cfg["num_draft_tokens"]
     modes = [ForwardMode[m] for m in cfg["modes"]]
     reqs = world.prefill([rng.randint(1, MAX_PREFILL) for _ in range(cfg["max_bs"])])
-    runner = world.graph_runner(max_bs=cfg["max_bs"], num_draft_tokens=ndt, bucket_sizes=cfg["buckets"], modes=modes,
-                                capture=False)
+    runner = world.graph_runner(
+        max_bs=cfg["max_bs"], num_draft_tokens=ndt, bucket_sizes=cfg["buckets"], modes=modes, capture=False
+    )
     target = (modes[0], cfg["max_bs"]) if deliberate else None
     if target is not None:
         runner.step = failing_step(runner.step, *target, on_gpu=on_gpu)
@@ -232,11 +254,23 @@ def soak_one(cfg: dict, backend_cls, device: str, on_gpu: bool, steps: int, deli
         watch_destruction(captured.graph)
     clean = True
     if on_gpu:
-        clean = not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream() == torch.cuda.default_stream()
-    rec = {"cfg": cfg, "captured": len(runner.graphs), "failed": {f"{m.name}/bs={b}": r for (m, b), r in failures.items()},
-           "deliberate": None, "capture_s": round(capture_s, 4), "clean_after_capture": clean,
-           "capture_warnings": sorted({str(w.message).splitlines()[0][:160] for w in caught}),
-           "replays": 0, "eager_steps": 0, "bit_equal": 0, "max_rel_diff": 0.0, "bad_steps": []}
+        clean = (
+            not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream() == torch.cuda.default_stream()
+        )
+    rec = {
+        "cfg": cfg,
+        "captured": len(runner.graphs),
+        "failed": {f"{m.name}/bs={b}": r for (m, b), r in failures.items()},
+        "deliberate": None,
+        "capture_s": round(capture_s, 4),
+        "clean_after_capture": clean,
+        "capture_warnings": sorted({str(w.message).splitlines()[0][:160] for w in caught}),
+        "replays": 0,
+        "eager_steps": 0,
+        "bit_equal": 0,
+        "max_rel_diff": 0.0,
+        "bad_steps": [],
+    }
     if target is not None:
         rec["deliberate"] = f"{target[0].name}/bs={target[1]}"
     tol = TOLERANCE[getattr(torch, cfg["dtype"])]
@@ -279,8 +313,9 @@ def summarize(records: List[dict], args, wall_s: float, jit: JitWatch, stopped_e
     failed = [(r["cfg"]["index"], k, v) for r in records for k, v in r["failed"].items()]
     deliberate = [r for r in records if r["deliberate"]]
     deliberate_ok = bool(deliberate) and all(set(r["failed"]) == {r["deliberate"]} for r in deliberate)
-    unexpected = [(i, k, v) for i, k, v in failed if not any(r["cfg"]["index"] == i and r["deliberate"] == k
-                                                             for r in deliberate)]
+    unexpected = [
+        (i, k, v) for i, k, v in failed if not any(r["cfg"]["index"] == i and r["deliberate"] == k for r in deliberate)
+    ]
     bad_steps = sum(len(r["bad_steps"]) for r in records)
     steps = sum(r["replays"] + r["eager_steps"] for r in records)
     checks = {
@@ -301,8 +336,9 @@ def summarize(records: List[dict], args, wall_s: float, jit: JitWatch, stopped_e
         "captures_ok": captures_ok,
         "captures_failed": len(failed),
         "unexpected_failures": [{"runner": i, "bucket": k, "reason": v} for i, k, v in unexpected],
-        "deliberate": [{"runner": r["cfg"]["index"], "bucket": r["deliberate"], "recorded": r["failed"]}
-                       for r in deliberate],
+        "deliberate": [
+            {"runner": r["cfg"]["index"], "bucket": r["deliberate"], "recorded": r["failed"]} for r in deliberate
+        ],
         "steps": steps,
         "replays": sum(r["replays"] for r in records),
         "eager_steps": sum(r["eager_steps"] for r in records),
@@ -327,13 +363,18 @@ def print_table(s: dict) -> None:
         ("backend / device", f"{s['backend']} / {s['device']} (torch {s['torch']})"),
         ("gc.collect() inside capture", "YES (diagnostic --collect-in-capture)" if s["diagnostic"] else "no"),
         ("runners", s["runners"]),
-        ("captures ok / failed", f"{s['captures_ok']} / {s['captures_failed']}"
-                                 f" (deliberate: {len(s['deliberate'])}, unexpected: {len(s['unexpected_failures'])})"),
+        (
+            "captures ok / failed",
+            f"{s['captures_ok']} / {s['captures_failed']}"
+            f" (deliberate: {len(s['deliberate'])}, unexpected: {len(s['unexpected_failures'])})",
+        ),
         ("steps: replayed / eager", f"{s['replays']} / {s['eager_steps']}"),
         ("bit-equal to eager", f"{s['bit_equal_steps']} / {s['steps']}"),
         ("max rel diff vs eager", f"{s['max_rel_diff']:.3g} (tol bf16 2e-2, fp16 4e-3); bad steps {s['bad_steps']}"),
-        ("triton compiles / loads", f"{s['triton_compiles']} / {s['triton_loads']}"
-                                    f"; inside capture {len(s['compiles_or_loads_in_capture'])}"),
+        (
+            "triton compiles / loads",
+            f"{s['triton_compiles']} / {s['triton_loads']}; inside capture {len(s['compiles_or_loads_in_capture'])}",
+        ),
         ("graphs destroyed / inside a capture", f"{s['graphs_destroyed']} / {s['graphs_destroyed_in_capture']}"),
         ("Python warnings during capture", len(s["capture_warnings"])),
         ("wall time", f"{s['wall_s']} s"),
@@ -355,13 +396,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if on_gpu:
         from attnplug_cuda.backend import CudaBackend as backend_cls
+
         device = "cuda"
     else:
         from attnplug.backends.reference import ReferenceBackend as backend_cls
+
         device = "cpu"
     if args.fail_at is None:
         args.fail_at = args.runners // 2
-    json_path = args.json or (os.path.join(os.environ["OUT"], "graph_capture_soak.json") if os.environ.get("OUT") else None)
+    json_path = args.json or (
+        os.path.join(os.environ["OUT"], "graph_capture_soak.json") if os.environ.get("OUT") else None
+    )
     rng = random.Random(args.seed)
     modes = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]
 
@@ -381,13 +426,24 @@ def main(argv: Optional[List[str]] = None) -> int:
                 break
             cfg = random_config(rng, i, modes)
             try:
-                rec = soak_one(cfg, backend_cls, device, on_gpu, args.steps, i == args.fail_at, garbage,
-                               args.collect_in_capture)
+                rec = soak_one(
+                    cfg, backend_cls, device, on_gpu, args.steps, i == args.fail_at, garbage, args.collect_in_capture
+                )
             except Exception as exc:  # a runner that breaks outside capture: report it, go on
-                rec = {"cfg": cfg, "captured": 0, "failed": {"runner": f"{type(exc).__name__}: {exc}"},
-                       "deliberate": None, "capture_s": 0.0, "clean_after_capture": False, "replays": 0,
-                       "eager_steps": 0, "bit_equal": 0, "max_rel_diff": float("nan"), "bad_steps": [],
-                       "traceback": traceback.format_exc()}
+                rec = {
+                    "cfg": cfg,
+                    "captured": 0,
+                    "failed": {"runner": f"{type(exc).__name__}: {exc}"},
+                    "deliberate": None,
+                    "capture_s": 0.0,
+                    "clean_after_capture": False,
+                    "replays": 0,
+                    "eager_steps": 0,
+                    "bit_equal": 0,
+                    "max_rel_diff": float("nan"),
+                    "bad_steps": [],
+                    "traceback": traceback.format_exc(),
+                }
             records.append(rec)
             if rec["failed"] and not args.quiet:
                 for key, reason in rec["failed"].items():
@@ -396,8 +452,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not args.quiet and ((i + 1) % 25 == 0 or i + 1 == args.runners):
                 ok = sum(r["captured"] for r in records)
                 bad = sum(len(r["failed"]) for r in records)
-                print(f"runner {i + 1}/{args.runners}: captures ok {ok}, failed {bad}, "
-                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+                print(
+                    f"runner {i + 1}/{args.runners}: captures ok {ok}, failed {bad}, {time.perf_counter() - t0:.0f} s",
+                    flush=True,
+                )
         garbage.clear()
         gc.collect()
         if on_gpu:

@@ -33,9 +33,9 @@ if [ "$stage" = check ]; then
 elif [ "$stage" = trust ]; then
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/env.log" 2>&1
   python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
-  run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_kernels_kv_store.py \
-    tests/test_cuda_kernels_paged_attention.py tests/test_cuda_kernels_step_metadata.py tests/test_cuda_csrc_build.py \
-    tests/test_memory_slot_rules.py tests/test_bad_input_batches.py
+  run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_kv_store.py \
+    tests/cuda/test_cuda_kernels_paged_attention.py tests/cuda/test_cuda_kernels_step_metadata.py tests/cuda/test_cuda_csrc_build.py \
+    tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
   run conformance 170 attnplug conformance --backend cuda --report "$out/conformance.json"
   run engine_loop 60 python3 examples/engine_loop.py --backend cuda --device cuda
   cat "$out/env.log"

@@ -27,8 +27,18 @@ import torch
 from attnplug import ForwardMode
 from attnplug_conformance.harness import World, WorldSpec
 
-SPEC = WorldSpec(num_layers=4, num_heads=16, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, sliding_window=64,
-                 size=65536, size_swa=16384, max_reqs=64, max_context_len=1024)
+SPEC = WorldSpec(
+    num_layers=4,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=128,
+    dtype=torch.bfloat16,
+    sliding_window=64,
+    size=65536,
+    size_swa=16384,
+    max_reqs=64,
+    max_context_len=1024,
+)
 NDT = 4
 
 
@@ -71,7 +81,9 @@ def twin_steps(steps: int, seed: int = 0) -> dict:
         elif c < 0.12:
             plan = ("finish", rng.choice(live))
         else:
-            mode = rng.choice([ForwardMode.DECODE, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND])
+            mode = rng.choice(
+                [ForwardMode.DECODE, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND]
+            )
             rows = rng.sample(live, min(len(live), rng.randint(1, 20)))
             plan = (mode, rows)
         outs = []
@@ -105,8 +117,13 @@ def twin_steps(steps: int, seed: int = 0) -> dict:
         for a, b in zip(worlds[0].pool.get_kv_buffer(layer), worlds[1].pool.get_kv_buffer(layer))
     )
     return {
-        "steps": steps, "by_kind": counts, "graph_replays": replayed, "output_mismatches": mismatches[:10],
-        "num_mismatches": len(mismatches), "kv_caches_bit_identical": caches_equal, "seconds": round(time.time() - t0, 1),
+        "steps": steps,
+        "by_kind": counts,
+        "graph_replays": replayed,
+        "output_mismatches": mismatches[:10],
+        "num_mismatches": len(mismatches),
+        "kv_caches_bit_identical": caches_equal,
+        "seconds": round(time.time() - t0, 1),
         "pass": not mismatches and caches_equal,
     }
 
@@ -130,8 +147,12 @@ def _edge_types(graph: "torch.cuda.CUDAGraph") -> dict:
     if edge_data is not None:
         for e in edge_data:
             types[int(e.type)] = types.get(int(e.type), 0) + 1
-    return {"nodes": kinds, "edges": int(num_edges), "edge_types": types,
-            "programmatic_edges": types.get(int(rt.cudaGraphDependencyType.cudaGraphDependencyTypeProgrammatic), 0)}
+    return {
+        "nodes": kinds,
+        "edges": int(num_edges),
+        "edge_types": types,
+        "programmatic_edges": types.get(int(rt.cudaGraphDependencyType.cudaGraphDependencyTypeProgrammatic), 0),
+    }
 
 
 def graph_edges(pdl: bool) -> dict:
@@ -169,8 +190,11 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    ok = result["twin"]["pass"] and result["graph_pdl_on"].get("programmatic_edges", 0) > 0 \
+    ok = (
+        result["twin"]["pass"]
+        and result["graph_pdl_on"].get("programmatic_edges", 0) > 0
         and result["graph_pdl_off"].get("programmatic_edges", 1) == 0
+    )
     print("PDL proof:", "PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 

@@ -13,8 +13,19 @@ import torch
 from attnplug import ForwardMode
 from attnplug_conformance.harness import World, WorldSpec
 
-SPEC = WorldSpec(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, sliding_window=16,
-                 size=2048, size_swa=1024, max_reqs=8, max_context_len=256, swa_layer_ids=(0,))
+SPEC = WorldSpec(
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=128,
+    dtype=torch.bfloat16,
+    sliding_window=16,
+    size=2048,
+    size_swa=1024,
+    max_reqs=8,
+    max_context_len=256,
+    swa_layer_ids=(0,),
+)
 
 
 def main() -> int:

@@ -116,14 +116,31 @@ class Engine:
     ``model.step``. ``graphs=True``: each step is ``runner.run(batch, inputs)``.
     """
 
-    def __init__(self, backend_name: str, device: str, *, graphs: bool, page_size: int, dtype: Optional[torch.dtype],
-                 seed: int = 0, log=print) -> None:
+    def __init__(
+        self,
+        backend_name: str,
+        device: str,
+        *,
+        graphs: bool,
+        page_size: int,
+        dtype: Optional[torch.dtype],
+        seed: int = 0,
+        log=print,
+    ) -> None:
         backend_cls = get_backend(backend_name)
         self.device = torch.device(device)
         dtype = dtype or _default_dtype(backend_cls, self.device, page_size)
-        self.pool = SWAKVPool(size=POOL_SIZE, size_swa=SWA_POOL_SIZE, num_layers=NUM_LAYERS, swa_layer_ids=SWA_LAYERS,
-                              num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, device=self.device,
-                              page_size=page_size)
+        self.pool = SWAKVPool(
+            size=POOL_SIZE,
+            size_swa=SWA_POOL_SIZE,
+            num_layers=NUM_LAYERS,
+            swa_layer_ids=SWA_LAYERS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            dtype=dtype,
+            device=self.device,
+            page_size=page_size,
+        )
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(MAX_REQS, MAX_CONTEXT, self.pool.device)
         self.backend = backend_cls(self.pool, self.rows, num_heads=NUM_HEADS, sliding_window=WINDOW)
@@ -139,10 +156,14 @@ class Engine:
             # One static input buffer per per-token model input: name -> (per-token shape, dtype).
             # The constructor calls backend.init_cuda_graph_state(max_bs, max_num_tokens).
             # Buckets 1, 2, 4: a step of 3 requests replays the graph of 4 with one padded request.
-            self.runner = GraphRunner(self.backend, self.model.step, max_bs=4,
-                                      inputs={"hidden": ((NUM_HEADS * HEAD_DIM,), dtype)},
-                                      num_draft_tokens=NUM_DRAFT_TOKENS,
-                                      modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])  # the modes run here
+            self.runner = GraphRunner(
+                self.backend,
+                self.model.step,
+                max_bs=4,
+                inputs={"hidden": ((NUM_HEADS * HEAD_DIM,), dtype)},
+                num_draft_tokens=NUM_DRAFT_TOKENS,
+                modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY],
+            )  # the modes run here
             # Capture every (mode, bucket) now, before serving. Without this call the first
             # DECODE or TARGET_VERIFY step would capture.
             failures = self.runner.capture()
@@ -177,8 +198,8 @@ class Engine:
         host = loc.tolist()  # the scheduler's host copy (for last_loc, rollback and free)
         offset = 0
         for r, n in zip(reqs, new):
-            self.rows.req_to_token[r.row, r.seq_len:r.seq_len + n] = loc[offset:offset + n].to(torch.int32)
-            r.slots += host[offset:offset + n]
+            self.rows.req_to_token[r.row, r.seq_len : r.seq_len + n] = loc[offset : offset + n].to(torch.int32)
+            r.slots += host[offset : offset + n]
             offset += n
         return loc
 
@@ -221,9 +242,11 @@ class Engine:
         # run(): use it (sample, copy) before then.
         logits = out.to("cpu", torch.float64)
         self.trace.append((label, logits))
-        self.log(f"{label:<24} {mode.name:<13} bs={batch.batch_size} T={batch.num_tokens:<3} {path:<15} "
-                 f"free full {self.alloc.full_available_size():>3}/{POOL_SIZE} "
-                 f"swa {self.alloc.swa_available_size():>2}/{SWA_POOL_SIZE}")
+        self.log(
+            f"{label:<24} {mode.name:<13} bs={batch.batch_size} T={batch.num_tokens:<3} {path:<15} "
+            f"free full {self.alloc.full_available_size():>3}/{POOL_SIZE} "
+            f"swa {self.alloc.swa_available_size():>2}/{SWA_POOL_SIZE}"
+        )
         return logits
 
     def keep(self, reqs: Sequence[Request], new: Sequence[int]) -> None:
@@ -243,18 +266,27 @@ class Engine:
                 rejected += r.slots[-drop:]
                 del r.slots[-drop:]
                 start = r.seq_len + a
-                self.rows.req_to_token[r.row, start:start + drop] = 0  # the row no longer holds them
+                self.rows.req_to_token[r.row, start : start + drop] = 0  # the row no longer holds them
         if rejected:
             self.alloc.rollback(torch.tensor(rejected, dtype=torch.int64))
         self.keep(reqs, accepted)
 
 
-def run_loop(backend: str = "reference", device: str = "cpu", *, graphs: bool = False, page_size: int = 4,
-             dtype: Optional[torch.dtype] = None, seed: int = 0, log=print) -> List[Tuple[str, torch.Tensor]]:
+def run_loop(
+    backend: str = "reference",
+    device: str = "cpu",
+    *,
+    graphs: bool = False,
+    page_size: int = 4,
+    dtype: Optional[torch.dtype] = None,
+    seed: int = 0,
+    log=print,
+) -> List[Tuple[str, torch.Tensor]]:
     """Run the whole schedule; returns the trace: ``(label, logits [T, VOCAB] float64)`` per step."""
     eng = Engine(backend, device, graphs=graphs, page_size=page_size, dtype=dtype, seed=seed, log=log)
-    reqs = [eng.add_request(name, sum(chunks) + sum(DECODE_STEPS) + NUM_DRAFT_TOKENS)
-            for name, chunks in PROMPTS.items()]
+    reqs = [
+        eng.add_request(name, sum(chunks) + sum(DECODE_STEPS) + NUM_DRAFT_TOKENS) for name, chunks in PROMPTS.items()
+    ]
     a, b, c = reqs
 
     # Prefill: every prompt's first chunk in one EXTEND step, then C's second chunk.
@@ -273,8 +305,10 @@ def run_loop(backend: str = "reference", device: str = "cpu", *, graphs: bool = 
     eng.step("verify", ForwardMode.TARGET_VERIFY, reqs, [NUM_DRAFT_TOKENS] * 3)
     eng.reject_drafts(reqs, [ACCEPTED[r.name] for r in reqs])
     eng.alloc.check_invariants()  # a debugging check (copies the mapping to the host)
-    eng.log(f"{'accept':<24} {', '.join(f'{r.name}: {ACCEPTED[r.name]}/{NUM_DRAFT_TOKENS}' for r in reqs)} "
-            f"-> seq_lens {[r.seq_len for r in reqs]}")
+    eng.log(
+        f"{'accept':<24} {', '.join(f'{r.name}: {ACCEPTED[r.name]}/{NUM_DRAFT_TOKENS}' for r in reqs)} "
+        f"-> seq_lens {[r.seq_len for r in reqs]}"
+    )
 
     # B finishes; A and C decode on.
     eng.finish(b)
@@ -309,8 +343,9 @@ def compare(eager, graphs, rtol: float, atol: float) -> float:
 def _default_dtype(backend_cls, device: torch.device, page_size: int) -> torch.dtype:
     """float32 when the backend serves it, else its first KV dtype (asked of a tiny instance)."""
     pool = SWAKVPool(page_size, page_size, 1, [0], NUM_KV_HEADS, HEAD_DIM, torch.float16, device, page_size=page_size)
-    caps = backend_cls(pool, ReqToTokenPool(2, 1, pool.device), num_heads=NUM_HEADS,
-                       sliding_window=WINDOW).capabilities()
+    caps = backend_cls(
+        pool, ReqToTokenPool(2, 1, pool.device), num_heads=NUM_HEADS, sliding_window=WINDOW
+    ).capabilities()
     return torch.float32 if torch.float32 in caps.dtypes else caps.dtypes[0]
 
 
@@ -320,17 +355,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device of the pools (default: cpu)")
     parser.add_argument("--path", choices=("eager", "graphs", "both"), default="both")
     parser.add_argument("--page-size", type=int, default=4)
-    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                        help="KV and model dtype (default: float32 when the backend serves it)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="KV and model dtype (default: float32 when the backend serves it)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype) if args.dtype else \
-        _default_dtype(get_backend(args.backend), torch.device(args.device), args.page_size)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else _default_dtype(get_backend(args.backend), torch.device(args.device), args.page_size)
+    )
     traces = {}
     for path in ("eager", "graphs") if args.path == "both" else (args.path,):
         print(f"--- {path} ---")
-        traces[path] = run_loop(args.backend, args.device, graphs=path == "graphs", page_size=args.page_size,
-                                dtype=dtype, seed=args.seed)
+        traces[path] = run_loop(
+            args.backend, args.device, graphs=path == "graphs", page_size=args.page_size, dtype=dtype, seed=args.seed
+        )
     if len(traces) == 2:
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         worst = compare(traces["eager"], traces["graphs"], rtol=tol, atol=tol)

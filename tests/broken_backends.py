@@ -1,5 +1,5 @@
 """Deliberately broken backends: each subclass of ``ReferenceBackend`` breaks ONE rule of the
-contract, so that tests/test_conformance_fails_broken.py can prove the conformance suite fails
+contract, so that tests/conformance/test_conformance_fails_broken.py can prove the conformance suite fails
 it with a message naming that rule. Run one with
 ``pytest --attnplug-backend=broken_backends:TranslatePerLayer`` (tests/ on ``sys.path``).
 """
@@ -61,7 +61,7 @@ class RenamedBuffer(ReferenceBackend):
     def _fill_graph_metadata(self, batch):
         md = self._graph_views(batch)
         md.copy_(self._build_metadata(batch, md.q_len_max))
-        self.cuda_graph_swa_loc[batch.num_tokens:].zero_()
+        self.cuda_graph_swa_loc[batch.num_tokens :].zero_()
         self.forward_metadata = md
 
 
@@ -163,7 +163,7 @@ class PdlChangesResults(HonestPdl):
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
         out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
-        return out * (1 + 2 ** -10) if self.pdl else out
+        return out * (1 + 2**-10) if self.pdl else out
 
 
 class PdlIgnoresEnv(HonestPdl):
@@ -185,7 +185,6 @@ class NeedsSeqLensCpu(ReferenceBackend):
         super().init_forward_metadata(batch)
 
 
-
 class ReplayDiffers(ReferenceBackend):
     """Replay: graph replay computes something else than eager (a perturbed output)."""
 
@@ -202,8 +201,11 @@ class ReplayDiffers(ReferenceBackend):
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
         out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
-        return out * (1 + 2 ** -8) if self._replaying else out
+        return out * (1 + 2**-8) if self._replaying else out
 
 
-__all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, ReferenceBackend)
-           and obj is not ReferenceBackend]
+__all__ = [
+    name
+    for name, obj in list(globals().items())
+    if isinstance(obj, type) and issubclass(obj, ReferenceBackend) and obj is not ReferenceBackend
+]

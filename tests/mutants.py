@@ -1,5 +1,5 @@
 """Subtle mutants of the reference backend: each one a small, plausible kernel bug of the kind
-a vendor's backend could ship. ``tests/test_conformance_mutants.py`` shows that each one is
+a vendor's backend could ship. ``tests/conformance/test_conformance_mutants.py`` shows that each one is
 really wrong (a direct comparison or a direct observation of the broken rule, its
 ``WITNESS``) and that the conformance suite fails it with a message naming the rule.
 
@@ -102,8 +102,12 @@ class WritesOtherLayer(ReferenceBackend):
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
         out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
         nxt = layer_id + 1
-        if save_kv_cache and nxt < self.pool.num_layers and self.pool.is_swa_layer(layer_id) \
-                and not self.pool.is_swa_layer(nxt):
+        if (
+            save_kv_cache
+            and nxt < self.pool.num_layers
+            and self.pool.is_swa_layer(layer_id)
+            and not self.pool.is_swa_layer(nxt)
+        ):
             kb, vb = self.pool.get_kv_buffer(nxt)
             loc = self.forward_metadata.swa_out_cache_loc.long()
             kb[loc] = k
@@ -176,7 +180,8 @@ class LastPartialTileDropped(ReferenceBackend):
     def _attend(self, q, keys, values, key_pos, window, md):
         bs = keys.shape[0]
         counts = torch.zeros(bs, dtype=torch.int64, device=q.device).scatter_add_(
-            0, md.token_req, torch.ones_like(md.token_req))
+            0, md.token_req, torch.ones_like(md.token_req)
+        )
         kv_len = (md.q_start + counts)[:, None]
         cut = kv_len // 32 * 32
         keep = ~((kv_len > 32) & (key_pos >= cut))
@@ -193,8 +198,8 @@ def _blocked_softmax_pv(scores, values, acc_dtype, block):
     acc = None
     denom = None
     for s in range(0, K, block):
-        p = torch.exp(scores[..., s:s + block] - m)
-        part = torch.einsum("bhgqk,bkhd->bhgqd", p, values[:, s:s + block].float())
+        p = torch.exp(scores[..., s : s + block] - m)
+        part = torch.einsum("bhgqk,bkhd->bhgqd", p, values[:, s : s + block].float())
         l = p.sum(-1, keepdim=True)
         acc = part.to(acc_dtype) if acc is None else (acc.float() + part).to(acc_dtype)
         denom = l.to(acc_dtype) if denom is None else (denom.float() + l).to(acc_dtype)
@@ -205,8 +210,20 @@ class HalfPrecisionAccumulation(ReferenceBackend):
     """Precision: the softmax sum and the P·V accumulator of the KV loop are kept in the
     input's half-precision type (rounded after every 32-key tile) instead of float32."""
 
-    WITNESS = ("output", dict(dtype=torch.bfloat16, max_context_len=4160, size=8192, size_swa=8192, sliding_window=None,
-                              swa_layer_ids=(), num_heads=4, num_kv_heads=1), [("EXTEND_DIRECT", [4100]), ("DECODE", None)])
+    WITNESS = (
+        "output",
+        dict(
+            dtype=torch.bfloat16,
+            max_context_len=4160,
+            size=8192,
+            size_swa=8192,
+            sliding_window=None,
+            swa_layer_ids=(),
+            num_heads=4,
+            num_kv_heads=1,
+        ),
+        [("EXTEND_DIRECT", [4100]), ("DECODE", None)],
+    )
 
     def _attend(self, q, keys, values, key_pos, window, md):
         if q.dtype not in HALF:
@@ -269,7 +286,7 @@ class IgnoresScaling(ReferenceBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
 
 
 class ReturnsFp32(ReferenceBackend):
@@ -363,8 +380,11 @@ class ExtendIgnoresPrefix(ReferenceBackend):
 
     def _build_metadata(self, batch, q_len_max):
         md = super()._build_metadata(batch, q_len_max)
-        if batch.forward_mode is ForwardMode.EXTEND and batch.extend_seq_lens_cpu is not None \
-                and min(batch.extend_seq_lens_cpu, default=0) > 1:
+        if (
+            batch.forward_mode is ForwardMode.EXTEND
+            and batch.extend_seq_lens_cpu is not None
+            and min(batch.extend_seq_lens_cpu, default=0) > 1
+        ):
             md.q_start = torch.zeros_like(md.q_start)
         return md
 
@@ -445,10 +465,32 @@ class RepeatInterleaveInReplay(_SyncInReplay):
 
 
 SUBTLE = [
-    IdentityTranslation, RegatherWindowPerLayer, NeighbourWriteInPage, WritesOtherLayer, WritesSink,
-    IgnoresSaveKvCacheFalse, PageOffset3Bit, TileSkipsFirstKey, LastPartialTileDropped, HalfPrecisionAccumulation,
-    HeadDimTailUnmasked, SplitKVSmallBatch, IgnoresScaling, ReturnsFp32, WindowPlusOne, WindowStartOffByOne,
-    NoCausalInVerify, GqaHeadMapping, LargeBatchScratch, ExtendIgnoresPrefix, MisreadsSeqLensCpu,
-    ArangeOfMaxInReplay, ZerosOfMaxInReplay, FullOfMaxInReplay, SliceWithTensorBoundInReplay,
-    NarrowWithTensorInReplay, BincountInReplay, RepeatInterleaveInReplay,
+    IdentityTranslation,
+    RegatherWindowPerLayer,
+    NeighbourWriteInPage,
+    WritesOtherLayer,
+    WritesSink,
+    IgnoresSaveKvCacheFalse,
+    PageOffset3Bit,
+    TileSkipsFirstKey,
+    LastPartialTileDropped,
+    HalfPrecisionAccumulation,
+    HeadDimTailUnmasked,
+    SplitKVSmallBatch,
+    IgnoresScaling,
+    ReturnsFp32,
+    WindowPlusOne,
+    WindowStartOffByOne,
+    NoCausalInVerify,
+    GqaHeadMapping,
+    LargeBatchScratch,
+    ExtendIgnoresPrefix,
+    MisreadsSeqLensCpu,
+    ArangeOfMaxInReplay,
+    ZerosOfMaxInReplay,
+    FullOfMaxInReplay,
+    SliceWithTensorBoundInReplay,
+    NarrowWithTensorInReplay,
+    BincountInReplay,
+    RepeatInterleaveInReplay,
 ]

@@ -24,8 +24,13 @@ from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
 GROUP = "attnplug.backends"
 ROOT = Path(__file__).resolve().parents[1]
 #: the source folders the project's pyproject.toml maps to import packages
-PROJECT_PATHS = [ROOT / "core", ROOT / "plugins" / "cuda", ROOT / "plugins" / "ascend", ROOT / "plugins" / "xpu",
-                 ROOT / "conformance"]
+PROJECT_PATHS = [
+    ROOT / "core",
+    ROOT / "plugins" / "cuda",
+    ROOT / "plugins" / "ascend",
+    ROOT / "plugins" / "xpu",
+    ROOT / "conformance",
+]
 
 _counter = itertools.count()
 
@@ -78,8 +83,14 @@ def write_project_metadata(root: Path) -> Path:
     return write_dist_info(root, "attnplug", project_version(), project_entry_points())
 
 
-def plugin_source(registrations: Iterable[str] = (), *, api: Optional[str] = "1.0", body: str = "", hook: bool = True,
-                  then: Iterable[str] = ()) -> str:
+def plugin_source(
+    registrations: Iterable[str] = (),
+    *,
+    api: Optional[str] = "1.0",
+    body: str = "",
+    hook: bool = True,
+    then: Iterable[str] = (),
+) -> str:
     """Source of a plugin module. ``registrations`` are ``register(...)`` argument strings;
     ``then`` are statements run in the hook after them."""
     lines = ["from attnplug.registry import hookimpl, ProbeResult"]
@@ -93,8 +104,13 @@ def plugin_source(registrations: Iterable[str] = (), *, api: Optional[str] = "1.
     return "\n".join(lines) + "\n"
 
 
-def reg(name: str, target: str = "plugin_dists:StandInBackend", priority: int = 0, available: bool = True,
-        reason: str = "stand-in") -> str:
+def reg(
+    name: str,
+    target: str = "plugin_dists:StandInBackend",
+    priority: int = 0,
+    available: bool = True,
+    reason: str = "stand-in",
+) -> str:
     """A ``register(...)`` argument string whose probe returns ``(available, reason)``."""
     return f"name={name!r}, backend={target!r}, probe=lambda: ({available!r}, {reason!r}), priority={priority}"
 

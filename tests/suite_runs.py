@@ -1,6 +1,6 @@
 """Runs of the conformance suite inside the test process, cached per (backend, -k, -x) so that
-the tests that look at one run share it (tests/test_conformance_fails_broken.py,
-tests/test_conformance_mutants.py)."""
+the tests that look at one run share it (tests/conformance/test_conformance_fails_broken.py,
+tests/conformance/test_conformance_mutants.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,20 @@ def run_suite(backend: str, keyword: str = "", exitfirst: bool = False):
     collector = ResultCollector()
     # no:unraisableexception: its session cleanup runs gc.collect() five times (about half a
     # second per run with torch loaded); the outer session still reports unraisable exceptions.
-    args = [str(CHECKS_DIR), "--attnplug-backend", backend, *pytest_plugin_args(), "-q", "--tb=no",
-            "-p", "no:cacheprovider", "-p", "no:unraisableexception",
-            "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    args = [
+        str(CHECKS_DIR),
+        "--attnplug-backend",
+        backend,
+        *pytest_plugin_args(),
+        "-q",
+        "--tb=no",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:unraisableexception",
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+    ]
     if keyword:
         args += ["-k", keyword]
     if exitfirst:
@@ -40,9 +51,21 @@ def quick_profile_size() -> int:
     """How many tests ``--attnplug-quick`` selects (the first round and every declared shape):
     the run order's leading tests."""
     collector = ResultCollector()
-    code = pytest.main([str(CHECKS_DIR), "--attnplug-backend", "reference", *pytest_plugin_args(), "-q",
-                        "-p", "no:cacheprovider", "-p", "no:unraisableexception", "--collect-only",
-                        "--attnplug-quick"], plugins=[collector])
+    code = pytest.main(
+        [
+            str(CHECKS_DIR),
+            "--attnplug-backend",
+            "reference",
+            *pytest_plugin_args(),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:unraisableexception",
+            "--collect-only",
+            "--attnplug-quick",
+        ],
+        plugins=[collector],
+    )
     assert code == 0 and collector.results, f"collecting the quick profile exited with {code}"
     return len(collector.results)
-

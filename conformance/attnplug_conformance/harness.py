@@ -27,13 +27,13 @@ import torch
 
 from attnplug import (
     AttentionBackend,
-    decide_needs_cpu_seq_lens,
     ForwardBatch,
     ForwardMode,
     GraphRunner,
     ReqToTokenPool,
     SWAKVPool,
     SWATokenAllocator,
+    decide_needs_cpu_seq_lens,
 )
 
 from .rules import ATTENTION
@@ -104,8 +104,9 @@ def check_output(out, q: torch.Tensor, layer: int) -> None:
     if tuple(out.shape) != tuple(q.shape):
         problems.append(f"shape {list(out.shape)} (expected {list(q.shape)}: [T, num_heads, head_dim])")
     if out.dtype != q.dtype:
-        problems.append(f"dtype {str(out.dtype).replace('torch.', '')} (expected q's dtype, "
-                        f"{str(q.dtype).replace('torch.', '')})")
+        problems.append(
+            f"dtype {str(out.dtype).replace('torch.', '')} (expected q's dtype, {str(q.dtype).replace('torch.', '')})"
+        )
     if out.device != q.device:
         problems.append(f"device {out.device} (expected q's device, {q.device})")
     if problems:
@@ -134,8 +135,9 @@ def layer_step(backend: AttentionBackend, num_layers: int, *, save_kv_cache: boo
 class World:
     """One pool + allocator + request table + backend (see module docstring)."""
 
-    def __init__(self, spec: WorldSpec, backend_cls: Type[AttentionBackend], device, *, seed: int = 0,
-                 keep_history: bool = True):
+    def __init__(
+        self, spec: WorldSpec, backend_cls: Type[AttentionBackend], device, *, seed: int = 0, keep_history: bool = True
+    ):
         self.spec = spec
         self.keep_history = keep_history  # False: lengths only (long runs that never recompute densely)
         self.pool = SWAKVPool(
@@ -153,8 +155,9 @@ class World:
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, self.device)
         kwargs = {} if spec.scaling is None else {"scaling": spec.scaling}
-        self.backend = backend_cls(self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window,
-                                   **kwargs)
+        self.backend = backend_cls(
+            self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window, **kwargs
+        )
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: List[Request] = []
@@ -172,7 +175,10 @@ class World:
             from attnplug.backends.reference import ReferenceBackend
 
             self._reference = ReferenceBackend(
-                self.pool, self.rows, num_heads=self.spec.num_heads, sliding_window=self.spec.sliding_window,
+                self.pool,
+                self.rows,
+                num_heads=self.spec.num_heads,
+                sliding_window=self.spec.sliding_window,
                 scaling=self.spec.scaling,
             )
         return self._reference
@@ -253,8 +259,15 @@ class World:
         last = [int(self.rows.req_to_token[r.row, r.seq_len - 1]) if r.seq_len else -1 for r in reqs]
         return self.alloc.alloc_extend(prefix, seq, last)
 
-    def plan(self, mode: ForwardMode, reqs: Sequence[Request], new_tokens=None, *, num_draft_tokens=None,
-             seq_lens_cpu: Optional[bool] = None) -> Step:
+    def plan(
+        self,
+        mode: ForwardMode,
+        reqs: Sequence[Request],
+        new_tokens=None,
+        *,
+        num_draft_tokens=None,
+        seq_lens_cpu: Optional[bool] = None,
+    ) -> Step:
         """Allocate slots for the next tokens of ``reqs`` and describe the step.
 
         ``new_tokens``: per-request counts for EXTEND (an int applies to all); DECODE uses 1,
@@ -268,7 +281,9 @@ class World:
         reqs = list(reqs)
         if mode is ForwardMode.IDLE:
             empty = torch.zeros(0, dtype=torch.int64, device=dev)
-            batch = ForwardBatch(mode, 0, empty, empty, empty, positions=empty, seq_lens_cpu=[] if seq_lens_cpu else None)
+            batch = ForwardBatch(
+                mode, 0, empty, empty, empty, positions=empty, seq_lens_cpu=[] if seq_lens_cpu else None
+            )
             return Step(batch, self._inputs(0), [], [])
         if mode is ForwardMode.DECODE:
             new = [1] * len(reqs)
@@ -332,8 +347,9 @@ class World:
             r.seq_len += n
             offset += n
 
-    def run_eager(self, step: Step, backend: Optional[AttentionBackend] = None, *,
-                  save_kv_cache: bool = True) -> torch.Tensor:
+    def run_eager(
+        self, step: Step, backend: Optional[AttentionBackend] = None, *, save_kv_cache: bool = True
+    ) -> torch.Tensor:
         """Run ``step`` eagerly: one metadata call, then every layer. ``backend`` defaults to
         the world's backend (``self.reference_backend`` sets up a prefix identically).
         ``save_kv_cache=False`` is passed to every layer (the caller stored the KV itself,
@@ -402,8 +418,15 @@ class World:
         used[self.live_swa_slots()] = True
         return torch.nonzero(~used).flatten()
 
-    def graph_runner(self, *, max_bs: int, num_draft_tokens: Optional[int] = None, bucket_sizes=None, modes=None,
-                     capture: bool = True) -> GraphRunner:
+    def graph_runner(
+        self,
+        *,
+        max_bs: int,
+        num_draft_tokens: Optional[int] = None,
+        bucket_sizes=None,
+        modes=None,
+        capture: bool = True,
+    ) -> GraphRunner:
         """A ``GraphRunner`` over this world's backend (its constructor calls
         ``init_cuda_graph_state``), captured unless ``capture=False``."""
         runner = GraphRunner(

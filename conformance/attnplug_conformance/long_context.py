@@ -48,10 +48,10 @@ def dense_attention(world: World, step: Step) -> torch.Tensor:
         per_layer = []
         for layer in range(spec.num_layers):
             k_hist, v_hist = req.history[layer]
-            keys = torch.cat([k_hist, k_new[offset:offset + n, layer]])  # [S, Hkv, D]
-            values = torch.cat([v_hist, v_new[offset:offset + n, layer]])
+            keys = torch.cat([k_hist, k_new[offset : offset + n, layer]])  # [S, Hkv, D]
+            values = torch.cat([v_hist, v_new[offset : offset + n, layer]])
             S = keys.shape[0]
-            q = q_all[offset:offset + n, layer].view(n, Hkv, G, -1)
+            q = q_all[offset : offset + n, layer].view(n, Hkv, G, -1)
             scores = torch.einsum("qhgd,khd->hgqk", q, keys) * scale
             pos_q = torch.arange(S - n, S)[:, None]
             pos_k = torch.arange(S)[None, :]
@@ -79,9 +79,11 @@ def _check(out: torch.Tensor, exact: torch.Tensor, world: World, what: str) -> N
     worst = float(err.max())
     if worst > tol:
         t, l, h = [int(i) for i in torch.unravel_index(torch.argmax(err), err.shape)]
-        pytest.fail(f"{ATTENTION}: {what}: relative error {worst:.3g} against float64 attention at token {t}, "
-                    f"layer {l} ({layer_kind(world, l)}), head {h} (bound {tol:g} for {dtype_name(dtype)}: "
-                    "accumulate the softmax sum and P·V in float32)")
+        pytest.fail(
+            f"{ATTENTION}: {what}: relative error {worst:.3g} against float64 attention at token {t}, "
+            f"layer {l} ({layer_kind(world, l)}), head {h} (bound {tol:g} for {dtype_name(dtype)}: "
+            "accumulate the softmax sum and P·V in float32)"
+        )
 
 
 def run_long_context(cfg: TestConfig, make_world) -> None:
@@ -93,9 +95,17 @@ def run_long_context(cfg: TestConfig, make_world) -> None:
     ps = cfg.page_size
     longest = max(LONG_CONTEXT) + 8
     size, size_swa = spec_sizes(ps, min_swa=sum(LONG_CONTEXT) + 64 * ps)
-    spec = cfg.spec(num_layers=2, swa_layer_ids=(0,) if cfg.sliding_window else (), num_heads=4, num_kv_heads=1,
-                    sliding_window=64, size=size, size_swa=size_swa, max_reqs=4,
-                    max_context_len=-(-longest // max(ps, 16)) * max(ps, 16))
+    spec = cfg.spec(
+        num_layers=2,
+        swa_layer_ids=(0,) if cfg.sliding_window else (),
+        num_heads=4,
+        num_kv_heads=1,
+        sliding_window=64,
+        size=size,
+        size_swa=size_swa,
+        max_reqs=4,
+        max_context_len=-(-longest // max(ps, 16)) * max(ps, 16),
+    )
     world = make_world(spec, 97)
     reqs = [world.new_request() for _ in LONG_CONTEXT]
     prompt = world.plan(ForwardMode.EXTEND, reqs, list(LONG_CONTEXT))

@@ -97,27 +97,44 @@ def _state(config) -> _State:
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("attnplug", "attnplug conformance suite")
     group.addoption(
-        "--attnplug-backend", action="append", default=[], dest="attnplug_backends", metavar="NAME",
+        "--attnplug-backend",
+        action="append",
+        default=[],
+        dest="attnplug_backends",
+        metavar="NAME",
         help="run the attnplug conformance suite against backend NAME (a registry name, or module:Class "
-             "for a class that is not registered yet); repeatable. Without it the plugin is inert.",
+        "for a class that is not registered yet); repeatable. Without it the plugin is inert.",
     )
     group.addoption(
-        "--attnplug-device", default=None, dest="attnplug_device", metavar="DEVICE",
+        "--attnplug-device",
+        default=None,
+        dest="attnplug_device",
+        metavar="DEVICE",
         help="torch device for the backends under test (default: from the registry probe; 'cpu' for "
-             "module:Class backends)",
+        "module:Class backends)",
     )
     group.addoption(
-        "--attnplug-thorough", action="store_true", default=False, dest="attnplug_thorough",
+        "--attnplug-thorough",
+        action="store_true",
+        default=False,
+        dest="attnplug_thorough",
         help="attnplug conformance: also run every combination of the declared dtypes, head dims and page sizes",
     )
     group.addoption(
-        "--attnplug-quick", action="store_true", default=False, dest="attnplug_quick",
+        "--attnplug-quick",
+        action="store_true",
+        default=False,
+        dest="attnplug_quick",
         help="attnplug conformance: run only the first round (a cheap case of every check and bug class) and "
-             "the cases covering every declared head dim and page size; a fast look, not a full result",
+        "the cases covering every declared head dim and page size; a fast look, not a full result",
     )
-    parser.addini("attnplug_backends", type="args", default=[],
-                  help="attnplug conformance: backends the adopted suite runs against when "
-                       "--attnplug-backend is not given (default: every available backend)")
+    parser.addini(
+        "attnplug_backends",
+        type="args",
+        default=[],
+        help="attnplug conformance: backends the adopted suite runs against when "
+        "--attnplug-backend is not given (default: every available backend)",
+    )
     parser.addini("attnplug_device", default="", help="attnplug conformance: default for --attnplug-device")
 
 
@@ -146,8 +163,7 @@ def pytest_configure(config) -> None:
 
 # ---------------------------------------------------------------------------- collection
 def _is_check_module(path: Path) -> bool:
-    return (path.suffix == ".py" and path.name.startswith("check_")
-            and path.resolve().parent == CHECKS_DIR)
+    return path.suffix == ".py" and path.name.startswith("check_") and path.resolve().parent == CHECKS_DIR
 
 
 def pytest_collect_file(file_path: Path, parent):
@@ -240,16 +256,32 @@ _CHECK_ORDER = {
     "check_replay_equals_eager": 7,
     "check_accepts_seq_lens_cpu_none": 8,
 }
-_FIRST_ROUND_CASES = {"EXTEND_no_prefix-gqa4-window_smaller", "EXTEND_prefix-gqa4-window_smaller",
-                      "DECODE-gqa4-window_smaller", "TARGET_VERIFY-gqa4-window_smaller",
-                      "DRAFT_EXTEND-gqa4-window_smaller", "IDLE-gqa4-window_smaller", "DECODE-bs1",
-                      "DECODE-bs10", "EXTEND_prefix-bs1", "DECODE-scaling0.3", "DECODE-bfloat16",
-                      "tiles-31_32_33", "long_context-float16"}
+_FIRST_ROUND_CASES = {
+    "EXTEND_no_prefix-gqa4-window_smaller",
+    "EXTEND_prefix-gqa4-window_smaller",
+    "DECODE-gqa4-window_smaller",
+    "TARGET_VERIFY-gqa4-window_smaller",
+    "DRAFT_EXTEND-gqa4-window_smaller",
+    "IDLE-gqa4-window_smaller",
+    "DECODE-bs1",
+    "DECODE-bs10",
+    "EXTEND_prefix-bs1",
+    "DECODE-scaling0.3",
+    "DECODE-bfloat16",
+    "tiles-31_32_33",
+    "long_context-float16",
+}
 #: tests of the first round per check without cases (their first parametrizations); default 1
 _FIRST_ROUND_COUNT = {"check_capabilities_honest": 3, "check_kv_written_only_at_step_slots": 2}
 #: the costly attention kinds, in the order they run after the first round (cheapest first)
-_COSTLY_KINDS = {"long_context": 0, "tiles": 1, "every_head_dim": 2, "every_page_size": 3, "scenario": 4,
-                 "every_combination": 5}
+_COSTLY_KINDS = {
+    "long_context": 0,
+    "tiles": 1,
+    "every_head_dim": 2,
+    "every_page_size": 3,
+    "scenario": 4,
+    "every_combination": 5,
+}
 _COSTLY_FIRST = {"every_head_dim", "every_page_size"}
 #: ``--attnplug-quick`` runs ranks 0 and 1 (the first round and every declared shape)
 QUICK_LAST_RANK = 1
@@ -298,15 +330,20 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         if not declared:
             continue
         if not isinstance(declared, dict):
-            raise pytest.UsageError(f"{cls.__name__}.{XFAIL_ATTR} must be a dict {{check name: reason}}, "
-                                    f"got {type(declared).__name__}")
+            raise pytest.UsageError(
+                f"{cls.__name__}.{XFAIL_ATTR} must be a dict {{check name: reason}}, got {type(declared).__name__}"
+            )
         if cls not in warned:
             warned.add(cls)
             for key in declared:
                 base = str(key).partition("[")[0]
                 if base not in known:
-                    warnings.warn(pytest.PytestConfigWarning(
-                        f"{cls.__name__}.{XFAIL_ATTR}: {key!r} names no check (checks: {', '.join(sorted(known))})"))
+                    warnings.warn(
+                        pytest.PytestConfigWarning(
+                            f"{cls.__name__}.{XFAIL_ATTR}: {key!r} names no check (checks: {', '.join(sorted(known))})"
+                        ),
+                        stacklevel=2,
+                    )
         reason = _xfail_reason(declared, item, backend)
         if reason is not None:
             item.add_marker(pytest.mark.xfail(reason=f"{cls.__name__}.{XFAIL_ATTR}: {reason}", strict=True))
@@ -320,8 +357,10 @@ def attnplug_backend_name(request) -> str:
     ini option ``attnplug_backends``, or every available backend)."""
     param = getattr(request, "param", None)
     if param is None:
-        pytest.fail("attnplug_backend_name is parametrised by the attnplug_conformance plugin; "
-                    "it was not (is the plugin loaded?)")
+        pytest.fail(
+            "attnplug_backend_name is parametrised by the attnplug_conformance plugin; "
+            "it was not (is the plugin loaded?)"
+        )
     return param
 
 

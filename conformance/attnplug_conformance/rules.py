@@ -3,8 +3,17 @@ broke. One place, so that the harness, the instruments and the checks name a rul
 
 from __future__ import annotations
 
-__all__ = ["RULE_1", "RULE_2", "RULE_3", "ATTENTION", "REPLAY", "KV_SLOTS", "SEQ_LENS_CPU_NONE", "CAPABILITIES",
-           "ALL_RULES"]
+__all__ = [
+    "RULE_1",
+    "RULE_2",
+    "RULE_3",
+    "ATTENTION",
+    "REPLAY",
+    "KV_SLOTS",
+    "SEQ_LENS_CPU_NONE",
+    "CAPABILITIES",
+    "ALL_RULES",
+]
 
 RULE_1 = "rule 1 (hoisted SWA writes)"
 RULE_2 = "rule 2 (no host-device sync in graph-replay metadata)"

@@ -65,8 +65,13 @@ class TestResult:
     message: str = ""
 
     def to_json(self) -> Dict[str, Any]:
-        return {"nodeid": self.nodeid, "check": self.check, "outcome": self.outcome,
-                "duration": round(self.duration, 4), "message": self.message}
+        return {
+            "nodeid": self.nodeid,
+            "check": self.check,
+            "outcome": self.outcome,
+            "duration": round(self.duration, 4),
+            "message": self.message,
+        }
 
 
 def _message(report) -> str:
@@ -75,13 +80,13 @@ def _message(report) -> str:
         return ""
     if isinstance(longrepr, tuple) and len(longrepr) == 3:  # skip: (path, line, reason)
         reason = str(longrepr[2])
-        return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+        return reason[len("Skipped: ") :] if reason.startswith("Skipped: ") else reason
     crash = getattr(getattr(longrepr, "reprcrash", None), "message", None)
     if crash:
         text = str(crash)
         for prefix in ("Failed: ", "AssertionError: "):
             if text.startswith(prefix):
-                text = text[len(prefix):]
+                text = text[len(prefix) :]
         return text.strip()
     lines = str(getattr(report, "longreprtext", "") or longrepr).strip().splitlines()
     return lines[-1] if lines else ""
@@ -108,7 +113,9 @@ class ResultCollector:
     def pytest_runtest_logreport(self, report) -> None:
         result = self.results.get(report.nodeid)
         if result is None:
-            result = self.results[report.nodeid] = TestResult(report.nodeid, report.nodeid.split("::")[-1].split("[")[0])
+            result = self.results[report.nodeid] = TestResult(
+                report.nodeid, report.nodeid.split("::")[-1].split("[")[0]
+            )
         result.duration += getattr(report, "duration", 0.0) or 0.0
         if report.when == "setup":
             result.outcome = "passed"
@@ -171,12 +178,15 @@ def _plan(backends: Optional[Sequence[str]]) -> _Plan:
             plan.run.append((name, None))
         elif name not in infos:
             known = ", ".join(sorted(infos)) or "none"
-            problems.append(f"unknown backend {name!r}; registered backends: {known}; "
-                            f"available: {', '.join(available) or 'none'}")
+            problems.append(
+                f"unknown backend {name!r}; registered backends: {known}; available: {', '.join(available) or 'none'}"
+            )
         elif not infos[name].available:
             others = [n for n in available if n != name]
-            problems.append(f"backend {name!r} is unavailable: {infos[name].reason}; "
-                            f"available backends: {', '.join(others) or 'none'}")
+            problems.append(
+                f"backend {name!r} is unavailable: {infos[name].reason}; "
+                f"available backends: {', '.join(others) or 'none'}"
+            )
         else:
             plan.run.append((name, infos[name]))
     for name, info in infos.items():
@@ -193,7 +203,6 @@ def environment() -> Dict[str, Any]:
     import torch
 
     import attnplug
-
     from attnplug.versions import installed_version
 
     triton = installed_version("triton")
@@ -229,8 +238,12 @@ def _capabilities(name: str, device: Optional[str]) -> Tuple[Optional[str], Opti
         resolved = resolve_backend(name, device)
     except SelectionError as exc:
         return None, None, str(exc), {}
-    source = {"backend": resolved.target, "source": resolved.source, "distribution": resolved.distribution,
-              "version": resolved.version}
+    source = {
+        "backend": resolved.target,
+        "source": resolved.source,
+        "distribution": resolved.distribution,
+        "version": resolved.version,
+    }
     try:
         caps = probe_capabilities(resolved.cls, resolved.device).to_json()
         return str(resolved.device), caps, None, source
@@ -297,8 +310,12 @@ def print_matrix(console, backends: List[Dict[str, Any]], not_run: List[Tuple[st
     status = [Text("run")]
     for b in backends:
         ok = b["exit_code"] in (0, 5) and not b.get("error")
-        status.append(Text("ok" if ok else f"exit {b['exit_code']}" + (f": {b['error']}" if b.get("error") else ""),
-                           style="green" if ok else "bold red"))
+        status.append(
+            Text(
+                "ok" if ok else f"exit {b['exit_code']}" + (f": {b['error']}" if b.get("error") else ""),
+                style="green" if ok else "bold red",
+            )
+        )
     table.add_row(*status)
     console.print(table)
     for b in backends:
@@ -341,10 +358,17 @@ def _device_problem(device: str) -> Optional[str]:
     return None
 
 
-def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[str] = None,
-                    keyword: Optional[str] = None, junitxml: Optional[str] = None, *,
-                    device: Optional[str] = None, pytest_args: Sequence[str] = (), console=None,
-                    thorough: bool = False) -> int:
+def run_conformance(
+    backends: Optional[Sequence[str]] = None,
+    report: Optional[str] = None,
+    keyword: Optional[str] = None,
+    junitxml: Optional[str] = None,
+    *,
+    device: Optional[str] = None,
+    pytest_args: Sequence[str] = (),
+    console=None,
+    thorough: bool = False,
+) -> int:
     """Run the suite against ``backends`` (default: every available one); see the module
     docstring. ``device`` overrides every backend's device; ``pytest_args`` are passed on;
     ``thorough`` adds every combination of the declared dtypes, head dims and page sizes.
@@ -362,8 +386,11 @@ def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[s
     if plan.error:
         return fail(f"conformance: {plan.error}")
     if plan.selected_by_env:
-        console.print(Text(f"ATTNPLUG_BACKEND={plan.selected_by_env} selects the backend to test "
-                           "(give --backend to choose others)"))
+        console.print(
+            Text(
+                f"ATTNPLUG_BACKEND={plan.selected_by_env} selects the backend to test (give --backend to choose others)"
+            )
+        )
     started = datetime.datetime.now(datetime.timezone.utc)
     results: List[Dict[str, Any]] = []
     exit_code = 0
@@ -371,9 +398,21 @@ def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[s
         dev, caps, caps_error, source = _capabilities(name, device)
         console.rule(Text(f"attnplug conformance: {name} on {dev or '?'}"))
         collector = ResultCollector()
-        args = [str(CHECKS_DIR), "--attnplug-backend", name, *pytest_plugin_args(),
-                "-q", "-p", "no:cacheprovider", "--tb=short", "-r", "fE", "--no-header",
-                "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        args = [
+            str(CHECKS_DIR),
+            "--attnplug-backend",
+            name,
+            *pytest_plugin_args(),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--tb=short",
+            "-r",
+            "fE",
+            "--no-header",
+            "-W",
+            "ignore::pytest.PytestAssertRewriteWarning",
+        ]
         if device:
             args += ["--attnplug-device", device]
         if thorough:
@@ -395,19 +434,21 @@ def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[s
                 error = f"pytest exited with {code}"
         if failed or collector.collect_errors or error or code == 1:
             exit_code = 1
-        results.append({
-            "name": name,
-            "device": dev,
-            **source,
-            "probe_device": getattr(info, "device", None),
-            "capabilities": caps,
-            "capabilities_error": caps_error,
-            "exit_code": code,
-            "error": error,
-            "summary": summary,
-            "collect_errors": collector.collect_errors,
-            "tests": tests,
-        })
+        results.append(
+            {
+                "name": name,
+                "device": dev,
+                **source,
+                "probe_device": getattr(info, "device", None),
+                "capabilities": caps,
+                "capabilities_error": caps_error,
+                "exit_code": code,
+                "error": error,
+                "summary": summary,
+                "collect_errors": collector.collect_errors,
+                "tests": tests,
+            }
+        )
     if keyword and not any(r["tests"] or r["collect_errors"] for r in results):
         return fail(f"conformance: -k {keyword!r} matched no check (checks: {', '.join(check_names())})")
     print_matrix(console, results, plan.not_run)
@@ -428,6 +469,10 @@ def run_conformance(backends: Optional[Sequence[str]] = None, report: Optional[s
             path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")
         console.print(Text(f"report written to {path}"))
-    console.print(Text("conformance: PASSED" if exit_code == 0 else "conformance: FAILED",
-                       style="bold green" if exit_code == 0 else "bold red"))
+    console.print(
+        Text(
+            "conformance: PASSED" if exit_code == 0 else "conformance: FAILED",
+            style="bold green" if exit_code == 0 else "bold red",
+        )
+    )
     return exit_code

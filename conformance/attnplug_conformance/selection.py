@@ -19,7 +19,6 @@ import torch
 
 from attnplug import AttentionBackend
 
-
 __all__ = ["ResolvedBackend", "SelectionError", "resolve_backend", "device_from_text"]
 
 

@@ -23,17 +23,58 @@ from attnplug import AttentionBackend, Capabilities, ForwardMode, GraphSupport, 
 
 from .harness import ContractViolation, Step, World, WorldSpec
 from .rules import (
-    ALL_RULES, ATTENTION, CAPABILITIES, KV_SLOTS, REPLAY, RULE_1, RULE_2, RULE_3, SEQ_LENS_CPU_NONE,
+    ALL_RULES,
+    ATTENTION,
+    CAPABILITIES,
+    KV_SLOTS,
+    REPLAY,
+    RULE_1,
+    RULE_2,
+    RULE_3,
+    SEQ_LENS_CPU_NONE,
 )
 
 __all__ = [
-    "RULE_1", "RULE_2", "RULE_3", "ATTENTION", "REPLAY", "KV_SLOTS", "SEQ_LENS_CPU_NONE", "CAPABILITIES",
-    "SUITE_DTYPES", "SUITE_HEAD_DIMS", "SUITE_PAGE_SIZES", "ATTENTION_TOL", "REPLAY_TOL",
-    "BackendConstructionError", "probe_capabilities", "TestConfig", "base_config", "require",
-    "graph_modes", "require_graph_mode", "env", "dtype_name", "conformance_check", "Twins", "PREFIX",
-    "EXTEND_CHUNK", "DRAFT_TOKENS", "new_tokens_of", "assert_attention_close", "assert_caches_equal", "layer_kind",
-    "TranslationProbe", "MappingPoison", "changed_rows", "DISABLE_PDL_ENV", "ALL_RULES", "poison_free_rows",
-    "with_seq_lens_cpu", "assert_translation_not_identity", "spec_sizes",
+    "RULE_1",
+    "RULE_2",
+    "RULE_3",
+    "ATTENTION",
+    "REPLAY",
+    "KV_SLOTS",
+    "SEQ_LENS_CPU_NONE",
+    "CAPABILITIES",
+    "SUITE_DTYPES",
+    "SUITE_HEAD_DIMS",
+    "SUITE_PAGE_SIZES",
+    "ATTENTION_TOL",
+    "REPLAY_TOL",
+    "BackendConstructionError",
+    "probe_capabilities",
+    "TestConfig",
+    "base_config",
+    "require",
+    "graph_modes",
+    "require_graph_mode",
+    "env",
+    "dtype_name",
+    "conformance_check",
+    "Twins",
+    "PREFIX",
+    "EXTEND_CHUNK",
+    "DRAFT_TOKENS",
+    "new_tokens_of",
+    "assert_attention_close",
+    "assert_caches_equal",
+    "layer_kind",
+    "TranslationProbe",
+    "MappingPoison",
+    "changed_rows",
+    "DISABLE_PDL_ENV",
+    "ALL_RULES",
+    "poison_free_rows",
+    "with_seq_lens_cpu",
+    "assert_translation_not_identity",
+    "spec_sizes",
 ]
 
 # Rule names (``rules.py``): every failure message starts with one of them, so a report names
@@ -83,15 +124,19 @@ _PROBE_SPECS = [
 def _probe(backend_cls: type, device: str) -> Capabilities:
     errors = []
     for kw in _PROBE_SPECS:
-        spec = WorldSpec(num_layers=2, num_heads=4, num_kv_heads=2, size=64, size_swa=64, max_reqs=4,
-                         max_context_len=32, **kw)
+        spec = WorldSpec(
+            num_layers=2, num_heads=4, num_kv_heads=2, size=64, size_swa=64, max_reqs=4, max_context_len=32, **kw
+        )
         try:
             return World(spec, backend_cls, device).backend.capabilities()
         except Exception as exc:  # try the next shape; all failures are reported together
-            errors.append(f"{dtype_name(kw['dtype'])}/head_dim {kw['head_dim']}/window {kw['sliding_window']}: "
-                          f"{type(exc).__name__}: {exc}")
+            errors.append(
+                f"{dtype_name(kw['dtype'])}/head_dim {kw['head_dim']}/window {kw['sliding_window']}: "
+                f"{type(exc).__name__}: {exc}"
+            )
     raise BackendConstructionError(
-        f"{backend_cls.__name__} could not be constructed on {device} over any small pool: " + "; ".join(errors[:4])
+        f"{backend_cls.__name__} could not be constructed on {device} over any small pool: "
+        + "; ".join(errors[:4])
         + (f" (+{len(errors) - 4} more)" if len(errors) > 4 else "")
     )
 
@@ -121,9 +166,18 @@ class TestConfig:
         identity."""
         size, size_swa = spec_sizes(self.page_size)
         base = WorldSpec(
-            num_layers=4, num_heads=8, num_kv_heads=2, head_dim=self.head_dim, dtype=self.dtype,
-            sliding_window=4 if self.sliding_window else None, page_size=self.page_size,
-            size=size, size_swa=size_swa, max_reqs=12, max_context_len=64, scramble_swa=True,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            sliding_window=4 if self.sliding_window else None,
+            page_size=self.page_size,
+            size=size,
+            size_swa=size_swa,
+            max_reqs=12,
+            max_context_len=64,
+            scramble_swa=True,
         )
         if not self.sliding_window:
             overrides.pop("sliding_window", None)
@@ -147,8 +201,10 @@ def _first_declared(wanted: Sequence, declared: Sequence, what: str, fmt=str):
     for value in wanted:
         if value in declared:
             return value
-    pytest.skip(f"capabilities().{what} declares none of {', '.join(fmt(v) for v in wanted)} "
-                f"(declared: {', '.join(fmt(v) for v in declared) or 'nothing'})")
+    pytest.skip(
+        f"capabilities().{what} declares none of {', '.join(fmt(v) for v in wanted)} "
+        f"(declared: {', '.join(fmt(v) for v in declared) or 'nothing'})"
+    )
 
 
 def base_config(caps: Capabilities, *, dtype=None, head_dim=None, page_size=None) -> TestConfig:
@@ -184,8 +240,10 @@ def graph_modes(level: GraphSupport) -> Tuple[ForwardMode, ...]:
 
 
 def require_graph_mode(caps: Capabilities, mode: ForwardMode) -> None:
-    require(mode in graph_modes(caps.graphs),
-            f"capabilities().graphs is {GraphSupport(caps.graphs).name}: {mode.name} steps are not captured")
+    require(
+        mode in graph_modes(caps.graphs),
+        f"capabilities().graphs is {GraphSupport(caps.graphs).name}: {mode.name} steps are not captured",
+    )
 
 
 @contextlib.contextmanager
@@ -215,8 +273,15 @@ def layer_kind(world: World, layer: int) -> str:
     return "full"
 
 
-def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, world: World, *, what: str,
-                           rule: str = ATTENTION, tol: Optional[Tuple[float, float]] = None) -> None:
+def assert_attention_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    world: World,
+    *,
+    what: str,
+    rule: str = ATTENTION,
+    tol: Optional[Tuple[float, float]] = None,
+) -> None:
     """``[T, L, H, D]`` step outputs: elementwise ``|a - e| <= atol + rtol * |e|`` with the
     dtype's tolerance (``ATTENTION_TOL`` unless ``tol``); the message names the rule, the
     step, the worst layer (and its kind), token and head."""
@@ -230,8 +295,10 @@ def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, world: 
         return
     if not torch.isfinite(a).all():
         bad = torch.nonzero(~torch.isfinite(a))[0].tolist()
-        pytest.fail(f"{rule}: {what}: non-finite output at token {bad[0]}, layer {bad[1]} "
-                    f"({layer_kind(world, bad[1])}), head {bad[2]}")
+        pytest.fail(
+            f"{rule}: {what}: non-finite output at token {bad[0]}, layer {bad[1]} "
+            f"({layer_kind(world, bad[1])}), head {bad[2]}"
+        )
     excess = (a - e).abs() - (atol + rtol * e.abs())
     if (excess > 0).any():
         flat = int(torch.argmax(excess))
@@ -257,8 +324,9 @@ def _show(rows: torch.Tensor, n: int = 8) -> str:
     return f"{rows[:n]}" + (f" (+{len(rows) - n} more)" if len(rows) > n else "")
 
 
-def assert_caches_equal(world: World, other: World, *, what: str, rule: str = ATTENTION,
-                        ignore_rows: Sequence[int] = ()) -> None:
+def assert_caches_equal(
+    world: World, other: World, *, what: str, rule: str = ATTENTION, ignore_rows: Sequence[int] = ()
+) -> None:
     """Every layer's KV buffers bit-identical in two worlds (except ``ignore_rows``)."""
     for layer in range(world.spec.num_layers):
         for name, a, b in zip("kv", world.pool.get_kv_buffer(layer), other.pool.get_kv_buffer(layer)):
@@ -266,8 +334,10 @@ def assert_caches_equal(world: World, other: World, *, what: str, rule: str = AT
             if len(ignore_rows):
                 rows = rows[~torch.isin(rows, torch.tensor(list(ignore_rows), dtype=torch.int64))]
             if rows.numel():
-                pytest.fail(f"{rule}: {what}: layer {layer} ({layer_kind(world, layer)}) {name} cache differs "
-                            f"from the reference at slots {_show(rows)}")
+                pytest.fail(
+                    f"{rule}: {what}: layer {layer} ({layer_kind(world, layer)}) {name} cache differs "
+                    f"from the reference at slots {_show(rows)}"
+                )
 
 
 # ---------------------------------------------------------------------------- instruments
@@ -281,8 +351,11 @@ class TranslationProbe:
     (optional callable) runs right after every metadata call returns, before any layer.
     """
 
-    METADATA = ("init_forward_metadata", "init_forward_metadata_capture_cuda_graph",
-                "init_forward_metadata_replay_cuda_graph")
+    METADATA = (
+        "init_forward_metadata",
+        "init_forward_metadata_capture_cuda_graph",
+        "init_forward_metadata_replay_cuda_graph",
+    )
 
     def __init__(self, world: World, after_metadata=None):
         self.world = world
@@ -307,6 +380,7 @@ class TranslationProbe:
                 phase, where = probe._phase[-1] if probe._phase else ("other", "")
                 probe.calls.append((phase, where))
                 return original(loc)
+
             return translate
 
         def phase_wrapper(phase, where):
@@ -322,7 +396,9 @@ class TranslationProbe:
                         if probe.after_metadata is not None:
                             probe.after_metadata(where)
                     return result
+
                 return method
+
             return wrapper
 
         self._wrap(self.world.pool, "translate_loc_from_full_to_swa", translate_wrapper)
@@ -409,7 +485,7 @@ class MappingPoison:
         for r in step.requests:
             lo = max(0, r.seq_len - W)
             if r.seq_len > lo:
-                parts.append(world.rows.req_to_token[r.row, lo:r.seq_len].to(torch.int64))
+                parts.append(world.rows.req_to_token[r.row, lo : r.seq_len].to(torch.int64))
         if not parts:
             return torch.zeros(0, dtype=torch.int64, device=world.device)
         loc = torch.cat(parts)
@@ -457,8 +533,10 @@ def assert_translation_not_identity(world: World, step: Step) -> None:
     """The suite's worlds make translation a real permutation (a backend that skips it must
     not pass by luck): raise when a step's SWA slots equal its full slots."""
     if world.spec.scramble_swa and world.translation_is_identity(step.batch.out_cache_loc):
-        raise RuntimeError("conformance harness: translate(out_cache_loc) equals out_cache_loc in a scrambled "
-                           "world; the suite would not see a backend that skips the translation")
+        raise RuntimeError(
+            "conformance harness: translate(out_cache_loc) equals out_cache_loc in a scrambled "
+            "world; the suite would not see a backend that skips the translation"
+        )
 
 
 # ---------------------------------------------------------------------------- twin worlds
@@ -493,8 +571,9 @@ def conformance_check(fn=None, *, rule: str = ATTENTION):
             text = str(exc)
             if text.startswith(ALL_RULES):
                 pytest.fail(text, pytrace=False)
-            pytest.fail(f"{rule}: {fn.__name__}: the backend raised {type(exc).__name__}: {text}"
-                        f"{_where(exc)}", pytrace=True)
+            pytest.fail(
+                f"{rule}: {fn.__name__}: the backend raised {type(exc).__name__}: {text}{_where(exc)}", pytrace=True
+            )
 
     check.__test__ = True
     return check
@@ -577,12 +656,24 @@ class Twins:
             if str(exc).startswith(ALL_RULES):
                 raise
             if check_none:
-                pytest.fail(f"{SEQ_LENS_CPU_NONE}: {label} raised {type(exc).__name__}: {exc} with "
-                            "seq_lens_cpu=None (the backend declares needs_cpu_seq_lens=False)")
+                pytest.fail(
+                    f"{SEQ_LENS_CPU_NONE}: {label} raised {type(exc).__name__}: {exc} with "
+                    "seq_lens_cpu=None (the backend declares needs_cpu_seq_lens=False)"
+                )
             pytest.fail(f"{self.rule}: {label}: the backend raised {type(exc).__name__}: {exc}")
 
-    def step(self, mode: ForwardMode, idx: Sequence[int] = (), new_tokens=None, *, num_draft_tokens=None,
-             keep: Optional[Sequence[int]] = None, runner=None, what: str = "", check_seq_lens_cpu_none=False):
+    def step(
+        self,
+        mode: ForwardMode,
+        idx: Sequence[int] = (),
+        new_tokens=None,
+        *,
+        num_draft_tokens=None,
+        keep: Optional[Sequence[int]] = None,
+        runner=None,
+        what: str = "",
+        check_seq_lens_cpu_none=False,
+    ):
         """Run one step in both worlds and compare (see the class docstring). ``keep``: per
         request, how many of its tokens survive (rejected drafts are rolled back before
         eviction). ``runner``: run the world under test through this ``GraphRunner``
@@ -592,7 +683,8 @@ class Twins:
         sw = self.world.plan(mode, wreqs, new_tokens, num_draft_tokens=num_draft_tokens)
         sr = self.ref.plan(mode, rreqs, new_tokens, num_draft_tokens=num_draft_tokens)
         label = what or f"{mode.name} step {self.steps} (requests {list(idx)}" + (
-            f", new tokens {list(new_tokens)})" if isinstance(new_tokens, (list, tuple)) else ")")
+            f", new tokens {list(new_tokens)})" if isinstance(new_tokens, (list, tuple)) else ")"
+        )
         if check_seq_lens_cpu_none and sw.batch.seq_lens_cpu is not None:
             raise AssertionError("the harness built seq_lens_cpu although no backend needs it")
         assert_translation_not_identity(self.world, sw)
@@ -612,8 +704,13 @@ class Twins:
             # rewrites with the same values.
             out_i = self._run(batch, sw.inputs, runner, label + how, check_seq_lens_cpu_none and not i)
             assert_attention_close(out_i, expected, self.world, what=label + how, rule=self.rule)
-            assert_caches_equal(self.world, self.ref, what=label + how, ignore_rows=ignore,
-                                rule=KV_SLOTS if self.rule == ATTENTION else self.rule)
+            assert_caches_equal(
+                self.world,
+                self.ref,
+                what=label + how,
+                ignore_rows=ignore,
+                rule=KV_SLOTS if self.rule == ATTENTION else self.rule,
+            )
             out = out_i if out is None else out
         for w, s in ((self.world, sw), (self.ref, sr)):
             w.commit(s)

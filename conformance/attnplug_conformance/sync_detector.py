@@ -130,8 +130,8 @@ def _op_name(func: Any) -> str:
 # from device values.
 _ATEN_SYNC = {
     "_local_scalar_dense": "reads a device value on the host (a scalar read: .item(), int(), or a tensor used "
-                           "as a size, bound or index such as arange(t.max()), zeros(t.max()), x[:t.max()], "
-                           "narrow(d, 0, t))",
+    "as a size, bound or index such as arange(t.max()), zeros(t.max()), x[:t.max()], "
+    "narrow(d, 0, t))",
     "nonzero": "has a data-dependent output size",
     "argwhere": "has a data-dependent output size",
     "masked_select": "has a data-dependent output size (boolean mask)",
@@ -147,8 +147,9 @@ _ATEN_SYNC = {
 _ATEN_BOOL_INDEX = {"index", "index_put", "index_put_", "_index_put_impl", "_index_put_impl_"}
 
 
-def dispatch_offence(func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
-                     device: Optional[torch.device] = None) -> Optional[str]:
+def dispatch_offence(
+    func: Any, args: Sequence[Any], kwargs: Dict[str, Any], device: Optional[torch.device] = None
+) -> Optional[str]:
     """Why an ATen op (``torch.ops.aten.*`` overload) syncs, or None when it does not."""
     packet = getattr(func, "overloadpacket", None)
     name = getattr(packet, "__name__", "") or str(func).split(".")[1 if str(func).startswith("aten.") else 0]
@@ -199,8 +200,14 @@ class SyncDetector(TorchFunctionMode):
     still caught).
     """
 
-    def __init__(self, where: str = "graph-replay metadata", *, device=None, raise_on_violation: bool = True,
-                 dispatch: bool = True):
+    def __init__(
+        self,
+        where: str = "graph-replay metadata",
+        *,
+        device=None,
+        raise_on_violation: bool = True,
+        dispatch: bool = True,
+    ):
         super().__init__()
         self.where = where
         self.device = torch.device(device) if device is not None else None
@@ -244,7 +251,10 @@ class SyncDetector(TorchFunctionMode):
         if name in _FROM_PYTHON:
             data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
             if not _is_tensor(data):
-                return "builds a tensor from Python data (a host -> device copy); use torch.full / torch.arange or device ops"
+                return (
+                    "builds a tensor from Python data (a host -> device copy); "
+                    "use torch.full / torch.arange or device ops"
+                )
         if name in _INDEXING:
             index = args[1] if len(args) > 1 else kwargs.get("indices")
             if _has_bool_tensor(index):

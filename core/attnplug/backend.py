@@ -80,8 +80,7 @@ GRAPH_MODES: Dict[GraphSupport, Tuple[ForwardMode, ...]] = {
     GraphSupport.NEVER: (),
     GraphSupport.DECODE_ONLY: (ForwardMode.DECODE,),
     GraphSupport.UNIFORM: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
-    GraphSupport.ALWAYS: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
-                          ForwardMode.EXTEND),
+    GraphSupport.ALWAYS: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND),
 }
 
 
@@ -120,8 +119,9 @@ class Capabilities:
             "sliding_window": self.sliding_window,
         }
 
-    def for_instance(self, *, device_type: str, pdl: bool = False,
-                     graphs: Optional[GraphSupport] = None) -> "Capabilities":
+    def for_instance(
+        self, *, device_type: str, pdl: bool = False, graphs: Optional[GraphSupport] = None
+    ) -> "Capabilities":
         """These declared (class-level) capabilities narrowed to one instance: the pool's
         ``device_type``, whether this instance's kernels really use PDL, and optionally a lower
         graph level. Raises ``ValueError`` when the instance would claim more than the
@@ -182,9 +182,7 @@ class AttentionBackend(abc.ABC):
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise BackendConfigError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
         if pool.swa_layer_ids and sliding_window is None:
-            raise BackendConfigError(
-                f"the pool has SWA layers {sorted(pool.swa_layer_ids)} but sliding_window is None"
-            )
+            raise BackendConfigError(f"the pool has SWA layers {sorted(pool.swa_layer_ids)} but sliding_window is None")
         if not (isinstance(pool.dtype, torch.dtype) and pool.dtype.is_floating_point):
             raise BackendConfigError(f"the KV pool's dtype must be a floating dtype, got {pool.dtype}")
         if req_to_token_pool.req_to_token.device != pool.device:
@@ -199,8 +197,12 @@ class AttentionBackend(abc.ABC):
         self.head_dim: int = pool.head_dim
         self.sliding_window = sliding_window
         if scaling is not None:
-            if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) \
-                    or scaling <= 0:
+            if (
+                isinstance(scaling, bool)
+                or not isinstance(scaling, (int, float))
+                or not math.isfinite(scaling)
+                or scaling <= 0
+            ):
                 raise BackendConfigError(f"scaling must be None or a finite float > 0, got {scaling!r}")
         self.scaling = float(scaling) if scaling is not None else 1.0 / math.sqrt(pool.head_dim)
         self._prepared_batch: Optional[ForwardBatch] = None
@@ -244,8 +246,7 @@ class AttentionBackend(abc.ABC):
         """
         installed = type(self).installed_capabilities()
         if installed is None:
-            raise NotImplementedError(
-                f"{type(self).__name__} must implement declared_capabilities() or capabilities()")
+            raise NotImplementedError(f"{type(self).__name__} must implement declared_capabilities() or capabilities()")
         return installed.for_instance(device_type=self.device.type)
 
     @classmethod
@@ -377,8 +378,10 @@ class AttentionBackend(abc.ABC):
             if tuple(t.shape) != expected[name]:
                 raise ValueError(f"{name} must be {list(expected[name])}, got {tuple(t.shape)}")
             if t.dtype != self.pool.dtype:
-                raise ValueError(f"{name} is {str(t.dtype).replace('torch.', '')}, the KV pool holds "
-                                 f"{str(self.pool.dtype).replace('torch.', '')} (q, k and v must match it)")
+                raise ValueError(
+                    f"{name} is {str(t.dtype).replace('torch.', '')}, the KV pool holds "
+                    f"{str(self.pool.dtype).replace('torch.', '')} (q, k and v must match it)"
+                )
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the KV pool on {self.device}")
 
@@ -405,7 +408,12 @@ class AttentionBackend(abc.ABC):
 def _batch_identity(batch: ForwardBatch) -> tuple:
     """What a step's metadata was built from: the mode, the sizes and the tensors (by storage)."""
     return (
-        batch.forward_mode, batch.batch_size, batch.num_tokens, batch.num_draft_tokens,
-        *((t.data_ptr(), t.shape[0]) if isinstance(t, torch.Tensor) else None
-          for t in (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, batch.extend_seq_lens)),
+        batch.forward_mode,
+        batch.batch_size,
+        batch.num_tokens,
+        batch.num_draft_tokens,
+        *(
+            (t.data_ptr(), t.shape[0]) if isinstance(t, torch.Tensor) else None
+            for t in (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, batch.extend_seq_lens)
+        ),
     )

@@ -239,8 +239,10 @@ class ForwardBatch:
             for name, got in (("extend_seq_lens_cpu", ext_cpu), ("extend_seq_lens", ext_tensor)):
                 bad = [i for i, e in enumerate(got or []) if e != expected[i]]
                 if bad:
-                    raise BatchError(f"{name}[{bad[0]}] = {got[bad[0]]}: every request has {expected[0]} new "
-                                     f"token(s) in {mode.name} mode")
+                    raise BatchError(
+                        f"{name}[{bad[0]}] = {got[bad[0]]}: every request has {expected[0]} new "
+                        f"token(s) in {mode.name} mode"
+                    )
         host_ext = expected if expected is not None else (ext_cpu if ext_cpu is not None else ext_tensor)
         if host_ext is None:
             raise BatchError(
@@ -258,11 +260,14 @@ class ForwardBatch:
             bad = [i for i, (s, e) in enumerate(zip(seq or [], host_ext)) if s < e]
             if bad:
                 i = bad[0]
-                raise BatchError(f"{name}[{i}] = {seq[i]} is smaller than its {host_ext[i]} new token(s) "
-                                 "(seq_lens include this step's tokens)")
+                raise BatchError(
+                    f"{name}[{i}] = {seq[i]} is smaller than its {host_ext[i]} new token(s) "
+                    "(seq_lens include this step's tokens)"
+                )
         _check_host_min("req_pool_indices", self.req_pool_indices, 0, "rows are >= 0; 0 is the padding row")
-        _check_host_min("out_cache_loc", self.out_cache_loc, -1,
-                        "slots are >= 1; 0 is the padding sink, -1 means no slot")
+        _check_host_min(
+            "out_cache_loc", self.out_cache_loc, -1, "slots are >= 1; 0 is the padding sink, -1 means no slot"
+        )
 
 
 def _check_host_min(name: str, t: torch.Tensor, low: int, meaning: str) -> None:

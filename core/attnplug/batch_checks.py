@@ -64,14 +64,17 @@ def check_batch_against_pools(
         bad = torch.nonzero(~((loc == 0) | (loc == -1) | ((loc >= lo) & (loc < hi))))  # a sync off the host
         if bad.numel():
             i = int(bad[0, 0])
-            raise BatchError(f"out_cache_loc[{i}] = {int(loc[i])} is out of range (full-pool slots are "
-                             f"[{lo}, {hi - 1}]; 0 is the padding sink, -1 means no slot)")
+            raise BatchError(
+                f"out_cache_loc[{i}] = {int(loc[i])} is out of range (full-pool slots are "
+                f"[{lo}, {hi - 1}]; 0 is the padding sink, -1 means no slot)"
+            )
 
     rows = _values(batch.req_pool_indices, read_device)
     if rows is not None:
         max_reqs = req_to_token_pool.max_reqs
-        _first_bad("req_pool_indices", rows, lambda r: 0 <= r < max_reqs,
-                   f"rows are [1, {max_reqs - 1}]; 0 is the padding row")
+        _first_bad(
+            "req_pool_indices", rows, lambda r: 0 <= r < max_reqs, f"rows are [1, {max_reqs - 1}]; 0 is the padding row"
+        )
         _check_rows_live(req_to_token_pool, rows)
 
     ext = _extend_lens(batch, read_device)
@@ -82,8 +85,9 @@ def check_batch_against_pools(
             if r == 0:
                 continue  # a padded request: any seq_len, it reads nothing
             if s < e:
-                raise BatchError(f"seq_lens[{i}] = {s} is smaller than its {e} new token(s) "
-                                 "(seq_lens include this step's tokens)")
+                raise BatchError(
+                    f"seq_lens[{i}] = {s} is smaller than its {e} new token(s) (seq_lens include this step's tokens)"
+                )
             if s > max_len:
                 raise BatchError(f"seq_lens[{i}] = {s} exceeds max_context_len = {max_len}")
 
@@ -97,13 +101,18 @@ def _extend_lens(batch: ForwardBatch, read_device: bool) -> Optional[List[int]]:
             return [q_len] * batch.batch_size
         return batch.extend_seq_lens_cpu
     if q_len is not None:
-        _first_bad("extend_seq_lens", values, lambda e: e == q_len,
-                   f"every request has {q_len} new token(s) in {batch.forward_mode.name} mode")
+        _first_bad(
+            "extend_seq_lens",
+            values,
+            lambda e: e == q_len,
+            f"every request has {q_len} new token(s) in {batch.forward_mode.name} mode",
+        )
     else:
         _first_bad("extend_seq_lens", values, lambda e: e >= 1, "every request has >= 1 new token")
     if batch.extend_seq_lens_cpu is not None and list(batch.extend_seq_lens_cpu) != values:
-        raise BatchError(f"extend_seq_lens = {values} differs from extend_seq_lens_cpu = "
-                         f"{list(batch.extend_seq_lens_cpu)}")
+        raise BatchError(
+            f"extend_seq_lens = {values} differs from extend_seq_lens_cpu = {list(batch.extend_seq_lens_cpu)}"
+        )
     if sum(values) != batch.num_tokens:
         raise BatchError(f"sum(extend_seq_lens) = {sum(values)} but len(out_cache_loc) = {batch.num_tokens}")
     return values

@@ -41,9 +41,11 @@ def _row(name: str, distribution: Optional[str], caps: Optional[Capabilities], p
         return f"| `{name}` | {dist} | {problem or 'declares nothing at class level'} |" + " |" * 8
     graphs = GraphSupport(caps.graphs)
     modes = _cell(m.name for m in graphs.modes)
-    return (f"| `{name}` | {dist} | {caps.device_type} | {'yes' if caps.needs_cpu_seq_lens else 'no'} | "
-            f"{'where supported' if caps.pdl else 'no'} | {graphs.name} ({modes}) | {_cell(caps.dtypes)} | "
-            f"{_cell(caps.head_dims)} | {_cell(caps.page_sizes)} | {'yes' if caps.sliding_window else 'no'} |")
+    return (
+        f"| `{name}` | {dist} | {caps.device_type} | {'yes' if caps.needs_cpu_seq_lens else 'no'} | "
+        f"{'where supported' if caps.pdl else 'no'} | {graphs.name} ({modes}) | {_cell(caps.dtypes)} | "
+        f"{_cell(caps.head_dims)} | {_cell(caps.page_sizes)} | {'yes' if caps.sliding_window else 'no'} |"
+    )
 
 
 def capabilities_markdown(registry=None) -> str:
@@ -53,9 +55,12 @@ def capabilities_markdown(registry=None) -> str:
     from . import registry as reg
 
     registry = registry if registry is not None else reg.get_registry()
-    lines: List[str] = [_HEADER, "| backend | distribution | device type | needs_cpu_seq_lens | PDL | graphs | "
-                        "dtypes | head dims | page sizes | sliding window |",
-                        "|---|---|---|---|---|---|---|---|---|---|"]
+    lines: List[str] = [
+        _HEADER,
+        "| backend | distribution | device type | needs_cpu_seq_lens | PDL | graphs | "
+        "dtypes | head dims | page sizes | sliding window |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     records = sorted(registry.records, key=lambda r: r.name)
     for record in records:
         cls, error = registry.resolve(record.name)

@@ -118,8 +118,12 @@ def _print_info(data: Dict[str, Any]) -> None:
 
     flags = {f.name for f in dataclasses.fields(Capabilities)}  # --json / --markdown show them all
     console = _console()
-    table = Table(title=f"attnplug {data['attnplug_version']} backends (plugin API {data['plugin_api_version']})",
-                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title=f"attnplug {data['attnplug_version']} backends (plugin API {data['plugin_api_version']})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     for column in ("backend", "available", "priority", "device", "needs_cpu_seq_lens", "PDL", "graphs"):
         table.add_column(column, overflow="fold")
     for row in data["backends"]:
@@ -139,8 +143,7 @@ def _print_info(data: Dict[str, Any]) -> None:
         source = f" ({_dist(row['distribution'], row['version'])})" if row["distribution"] else ""
         console.print(Text(f"{row['name']}{source}: {row['reason']}"))
         # what a backend's describe() says beyond the table's columns
-        extra = {k: v for k, v in (row.get("capabilities") or {}).items()
-                 if k not in flags} if row["available"] else {}
+        extra = {k: v for k, v in (row.get("capabilities") or {}).items() if k not in flags} if row["available"] else {}
         for key, value in extra.items():
             console.print(Text(f"  {key}: {value}"))
     if data["default_backend"]:
@@ -199,13 +202,18 @@ def _add_info(subparsers) -> None:
         "info",
         help="list registered backends, their availability and plugin load errors",
         description="List every registered attention backend (available or not, with the reason) "
-                    "and every plugin that failed to load. Runs the probes; creates no device context.",
+        "and every plugin that failed to load. Runs the probes; creates no device context.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
-                        help="write the capability tables every backend class declares as Markdown to PATH "
-                             "(default: standard output); the same on every machine: no probe, no device. "
-                             "docs/capabilities.md is written this way")
+    parser.add_argument(
+        "--markdown",
+        metavar="PATH",
+        nargs="?",
+        const="-",
+        help="write the capability tables every backend class declares as Markdown to PATH "
+        "(default: standard output); the same on every machine: no probe, no device. "
+        "docs/capabilities.md is written this way",
+    )
     parser.set_defaults(func=_run_info)
 
 
@@ -233,13 +241,14 @@ def _add_new_plugin(subparsers) -> None:
         "new-plugin",
         help="write a new backend plugin (entry point, probe, portable backend, device part, conformance test)",
         description="Write a new plugin distribution in the shape every attnplug plugin has: pyproject.toml with "
-                    "the entry point, plugin.py (probe and hook), backend.py (on the portable PyTorch base), "
-                    "device.py (graphs, sync guard, synchronize) and the one-line conformance test. As written "
-                    "it installs and passes `attnplug conformance --backend NAME` (docs/writing-a-plugin.md).",
+        "the entry point, plugin.py (probe and hook), backend.py (on the portable PyTorch base), "
+        "device.py (graphs, sync guard, synchronize) and the one-line conformance test. As written "
+        "it installs and passes `attnplug conformance --backend NAME` (docs/writing-a-plugin.md).",
     )
     parser.add_argument("name", metavar="NAME", help="backend name: lowercase letters, digits and '_'")
-    parser.add_argument("--dir", metavar="D", help="directory to write (must not exist or be empty; "
-                                                   "default: ./attnplug-NAME)")
+    parser.add_argument(
+        "--dir", metavar="D", help="directory to write (must not exist or be empty; default: ./attnplug-NAME)"
+    )
     parser.set_defaults(func=_run_new_plugin)
 
 
@@ -248,8 +257,14 @@ def _run_conformance(args: argparse.Namespace) -> int:
     # The suite (pytest, the checks) is imported only when this subcommand runs.
     from attnplug_conformance.runner import run_conformance
 
-    return run_conformance(backends=args.backends or None, report=args.report, keyword=args.keyword,
-                           junitxml=args.junitxml, device=args.device, thorough=args.thorough)
+    return run_conformance(
+        backends=args.backends or None,
+        report=args.report,
+        keyword=args.keyword,
+        junitxml=args.junitxml,
+        device=args.device,
+        thorough=args.thorough,
+    )
 
 
 def _add_conformance(subparsers) -> None:
@@ -257,20 +272,32 @@ def _add_conformance(subparsers) -> None:
         "conformance",
         help="run the conformance suite against the available backends",
         description="Run the shared conformance suite (docs/conformance.md) once per backend, print a "
-                    "check x backend matrix and optionally write a JSON report. Default: every available "
-                    "backend. Exit code 1 when a check fails, 2 for an unknown or unavailable backend.",
+        "check x backend matrix and optionally write a JSON report. Default: every available "
+        "backend. Exit code 1 when a check fails, 2 for an unknown or unavailable backend.",
     )
-    parser.add_argument("--backend", action="append", dest="backends", metavar="NAME",
-                        help="backend to test (registry name, or module:Class); repeatable")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        dest="backends",
+        metavar="NAME",
+        help="backend to test (registry name, or module:Class); repeatable",
+    )
     parser.add_argument("--report", metavar="PATH", help="write the JSON report to PATH")
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="only run checks matching EXPR (pytest -k)")
-    parser.add_argument("--junitxml", metavar="PATH",
-                        help="write JUnit XML to PATH (PATH-<backend>.xml per backend when several run)")
-    parser.add_argument("--device", metavar="DEVICE",
-                        help="torch device for every backend under test (default: from its registry probe)")
-    parser.add_argument("--thorough", action="store_true",
-                        help="also run every combination of the declared dtypes, head dims and page sizes "
-                             "(slower; the default runs each declared value)")
+    parser.add_argument(
+        "--junitxml", metavar="PATH", help="write JUnit XML to PATH (PATH-<backend>.xml per backend when several run)"
+    )
+    parser.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="torch device for every backend under test (default: from its registry probe)",
+    )
+    parser.add_argument(
+        "--thorough",
+        action="store_true",
+        help="also run every combination of the declared dtypes, head dims and page sizes "
+        "(slower; the default runs each declared value)",
+    )
     parser.set_defaults(func=_run_conformance)
 
 
@@ -291,8 +318,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     try:
         suite = suite_for(cls)
         options = suite.parse_options(args.set or [])
-        result = run_suite(suite, cls, device, only=args.only, quick=args.quick, out_dir=args.out,
-                           json_path=args.json, budget_s=args.budget_s, isolate=args.isolate, options=options)
+        result = run_suite(
+            suite,
+            cls,
+            device,
+            only=args.only,
+            quick=args.quick,
+            out_dir=args.out,
+            json_path=args.json,
+            budget_s=args.budget_s,
+            isolate=args.isolate,
+            options=options,
+        )
     except (SuiteUnavailable, ValueError) as exc:
         return fail(str(exc))
     return 1 if result["summary"]["errors"] else 0
@@ -307,27 +344,41 @@ def _add_bench(subparsers) -> None:
         "bench",
         help="run the benchmarks a backend ships (any backend: the portable whole-step benchmark)",
         description="Run the benchmarks a backend's plugin ships (default backend: get_backend()); a backend "
-                    "whose plugin ships none runs the portable suite (whole hybrid steps through GraphRunner vs "
-                    "eager steps, small sizes, any device). Prints progress, a table and a summary line last; "
-                    "--out DIR writes bench.json and PNG plots (time vs batch size per variant, ratio vs the "
-                    "baseline). Exit code 1 when a benchmark failed with an error, 2 when the run cannot start. "
-                    "Methods and recorded results: docs/benchmarks.md.",
+        "whose plugin ships none runs the portable suite (whole hybrid steps through GraphRunner vs "
+        "eager steps, small sizes, any device). Prints progress, a table and a summary line last; "
+        "--out DIR writes bench.json and PNG plots (time vs batch size per variant, ratio vs the "
+        "baseline). Exit code 1 when a benchmark failed with an error, 2 when the run cannot start. "
+        "Methods and recorded results: docs/benchmarks.md.",
     )
-    parser.add_argument("--backend", metavar="NAME",
-                        help="registry name, or module:Class (default: the backend get_backend() selects)")
-    parser.add_argument("--device", metavar="DEVICE",
-                        help="torch device (default: from the backend's registry probe; the host for module:Class)")
+    parser.add_argument(
+        "--backend", metavar="NAME", help="registry name, or module:Class (default: the backend get_backend() selects)"
+    )
+    parser.add_argument(
+        "--device",
+        metavar="DEVICE",
+        help="torch device (default: from the backend's registry probe; the host for module:Class)",
+    )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks of the suite")
     parser.add_argument("--quick", action="store_true", help="a fast smoke pass: fewer sizes and iterations")
     parser.add_argument("--out", metavar="DIR", help="write bench.json and the PNG plots into DIR")
     parser.add_argument("--json", metavar="PATH", help="(also) write the JSON results to PATH")
-    parser.add_argument("--budget-s", type=_budget, default=-1.0, metavar="S",
-                        help="wall-clock budget of the run in seconds; benchmarks skip cases rather than overrun "
-                             "it (default: the suite's; 'none': unlimited)")
-    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                        help="run each benchmark in its own child process (default: the suite's choice)")
-    parser.add_argument("--set", action="append", metavar="NAME=VALUE",
-                        help="a suite option, e.g. --set flex_budget_s=60 (repeatable)")
+    parser.add_argument(
+        "--budget-s",
+        type=_budget,
+        default=-1.0,
+        metavar="S",
+        help="wall-clock budget of the run in seconds; benchmarks skip cases rather than overrun "
+        "it (default: the suite's; 'none': unlimited)",
+    )
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each benchmark in its own child process (default: the suite's choice)",
+    )
+    parser.add_argument(
+        "--set", action="append", metavar="NAME=VALUE", help="a suite option, e.g. --set flex_budget_s=60 (repeatable)"
+    )
     parser.set_defaults(func=_run_bench)
 
 
@@ -345,10 +396,10 @@ def _add_soak(subparsers) -> None:
         "soak",
         help="run a random serving simulation checked every step against a float64 oracle",
         description="Run a random serving simulation (arrivals, chunked prefill, decode, verify with rollback, "
-                    "draft-extend, pool pressure, graph replay and eager fallback, NaN in free slots and the sink) "
-                    "and check every step against a float64 oracle, the allocator's invariants and the live KV "
-                    "values (docs/reliability.md). Exit code 1 on any failure (the first failing step is printed), "
-                    "2 when the run cannot start.",
+        "draft-extend, pool pressure, graph replay and eager fallback, NaN in free slots and the sink) "
+        "and check every step against a float64 oracle, the allocator's invariants and the live KV "
+        "values (docs/reliability.md). Exit code 1 on any failure (the first failing step is printed), "
+        "2 when the run cannot start.",
     )
     add_arguments(parser)
     parser.set_defaults(func=_run_soak)

@@ -77,8 +77,10 @@ class GraphBuffers:
     def check_fits(self, bs: int, num_tokens: int) -> None:
         """Raise ``ValueError`` naming both sizes when a batch does not fit the buffers."""
         if bs > self.max_bs or num_tokens > self.max_num_tokens:
-            raise ValueError(f"batch of {bs} requests / {num_tokens} tokens exceeds the graph state "
-                             f"(max_bs={self.max_bs}, max_num_tokens={self.max_num_tokens})")
+            raise ValueError(
+                f"batch of {bs} requests / {num_tokens} tokens exceeds the graph state "
+                f"(max_bs={self.max_bs}, max_num_tokens={self.max_num_tokens})"
+            )
 
     def view(self, name: str, bs: int, q_len: int) -> torch.Tensor:
         """The part of buffer ``name`` a captured ``(bs, q_len)`` step uses: ``[:bs]`` of a
@@ -101,8 +103,10 @@ class GraphBuffers:
         ``[:n]`` view. Sync-free: device copies only."""
         n = translated.shape[0]
         if translated.dim() != 1 or n > self.max_num_tokens:
-            raise ValueError(f"translated must be [n] with n <= max_num_tokens={self.max_num_tokens}, "
-                             f"got shape {tuple(translated.shape)}")
+            raise ValueError(
+                f"translated must be [n] with n <= max_num_tokens={self.max_num_tokens}, "
+                f"got shape {tuple(translated.shape)}"
+            )
         head = self.swa_out_cache_loc[:n]
         head.copy_(translated)
         self.swa_out_cache_loc[n:].zero_()

@@ -9,7 +9,6 @@ and in graph replay, and must still match the reference.
 from __future__ import annotations
 
 from attnplug import ForwardMode
-
 from attnplug_conformance.support import (
     SEQ_LENS_CPU_NONE,
     Twins,
@@ -42,5 +41,6 @@ def check_accepts_seq_lens_cpu_none(attnplug_capabilities, attnplug_world, attnp
     for mode in graph_modes(caps.graphs):
         ndt = new_tokens_of(mode, 3)[1]
         runner = twins.world.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[4], modes=[mode])
-        twins.step(mode, a, num_draft_tokens=ndt, runner=runner,
-                   what=f"{mode.name} graph replay with seq_lens_cpu=None", **kw)
+        twins.step(
+            mode, a, num_draft_tokens=ndt, runner=runner, what=f"{mode.name} graph replay with seq_lens_cpu=None", **kw
+        )

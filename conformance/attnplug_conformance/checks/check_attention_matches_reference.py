@@ -10,8 +10,9 @@ scrambled, so the full -> SWA translation is never the identity.
 
 * mode cases: EXTEND without and with a cached prefix, DECODE, TARGET_VERIFY, DRAFT_EXTEND,
   IDLE; GQA ratios 1/4/8; windows smaller than, equal to and larger than the sequence;
-  batch sizes 1, 2, 3 and 10; an explicit ``scaling``; DECODE in each half-precision dtype. The prefix of a mode case is written
-  by the reference backend in both worlds, so only the step under test runs on the backend.
+  batch sizes 1, 2, 3 and 10; an explicit ``scaling``; DECODE in each half-precision dtype. The
+  prefix of a mode case is written by the reference backend in both worlds, so only the step
+  under test runs on the backend.
 * tile cases: sequences of 31/32/33, 63/64/65 and 127/128/129 tokens (several windows long)
   prefilled, decoded, verified and extended on the backend.
 * scenarios: a multi-step sequence (every mode, eviction, rollback of rejected drafts, a
@@ -32,7 +33,6 @@ import pytest
 import torch
 
 from attnplug import ForwardMode
-
 from attnplug_conformance.long_context import run_long_context
 from attnplug_conformance.support import (
     DRAFT_TOKENS,
@@ -134,8 +134,10 @@ def _mode_case(case: Case, cfg, make_world, make_ref) -> None:
     finals = _final_lengths(case.mode, n)
     spec = cfg.spec(num_heads=2 * case.gqa, sliding_window=_window(case.window, finals), scaling=case.scaling)
     if not cfg.sliding_window:
-        require(case.window == "larger", "capabilities().sliding_window is False: window cases other than "
-                                         "'larger' (no SWA layer) do not apply")
+        require(
+            case.window == "larger",
+            "capabilities().sliding_window is False: window cases other than 'larger' (no SWA layer) do not apply",
+        )
     twins = Twins(make_world(spec, 11), make_ref(spec, 11))
     idx = list(range(n))
     if case.mode == "EXTEND_no_prefix":
@@ -204,8 +206,9 @@ def _scenario(cfg, make_world, make_ref) -> None:
 
 @conformance_check
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def check_attention_matches_reference(case, attnplug_capabilities, attnplug_world, attnplug_reference_world,
-                                      attnplug_thorough):
+def check_attention_matches_reference(
+    case, attnplug_capabilities, attnplug_world, attnplug_reference_world, attnplug_thorough
+):
     """Outputs within the dtype's tolerance of the reference and bit-identical KV caches."""
     caps = attnplug_capabilities
     cfg = base_config(caps, dtype=case.dtype, head_dim=case.head_dim, page_size=case.page_size)
@@ -228,7 +231,8 @@ def check_attention_matches_reference(case, attnplug_capabilities, attnplug_worl
             for hd in caps.head_dims:
                 for ps in caps.page_sizes:
                     cfg = base_config(caps, dtype=dtype, head_dim=hd, page_size=ps)
-                    _short_scenario(_two_layers(cfg), make, make_ref, f"{dtype_name(dtype)}, head_dim {hd}, "
-                                                                      f"page_size {ps}")
+                    _short_scenario(
+                        _two_layers(cfg), make, make_ref, f"{dtype_name(dtype)}, head_dim {hd}, page_size {ps}"
+                    )
     else:
         run_long_context(cfg, make)

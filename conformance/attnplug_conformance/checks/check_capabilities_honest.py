@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from attnplug import Capabilities, GraphSupport
-
 from attnplug_conformance.support import (
     CAPABILITIES,
     DISABLE_PDL_ENV,
@@ -50,14 +49,19 @@ def _types(caps) -> None:
     for name, kind in _FIELDS.items():
         value = getattr(caps, name)
         if not isinstance(value, kind):
-            pytest.fail(f"{CAPABILITIES}: capabilities().{name} is {value!r} ({type(value).__name__}), "
-                        f"expected {kind.__name__}")
+            pytest.fail(
+                f"{CAPABILITIES}: capabilities().{name} is {value!r} ({type(value).__name__}), expected {kind.__name__}"
+            )
     for name, kind in (("dtypes", torch.dtype), ("head_dims", int), ("page_sizes", int)):
         value = getattr(caps, name)
-        if not isinstance(value, tuple) or not value or not all(isinstance(v, kind) and not isinstance(v, bool)
-                                                                 for v in value):
-            pytest.fail(f"{CAPABILITIES}: capabilities().{name} must be a non-empty tuple of {kind.__name__}, "
-                        f"got {value!r}")
+        if (
+            not isinstance(value, tuple)
+            or not value
+            or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+        ):
+            pytest.fail(
+                f"{CAPABILITIES}: capabilities().{name} must be a non-empty tuple of {kind.__name__}, got {value!r}"
+            )
         if kind is int and any(v < 1 for v in value):
             pytest.fail(f"{CAPABILITIES}: capabilities().{name} must hold positive ints, got {value!r}")
     try:
@@ -85,11 +89,15 @@ def check_capabilities_honest(aspect, attnplug_capabilities, attnplug_world):
         got = world.backend.capabilities()
         declared = type(world.backend).needs_cpu_seq_lens
         if got.needs_cpu_seq_lens != declared:
-            pytest.fail(f"{CAPABILITIES}: capabilities().needs_cpu_seq_lens={got.needs_cpu_seq_lens} but the class "
-                        f"attribute (read by decide_needs_cpu_seq_lens) is {declared}")
+            pytest.fail(
+                f"{CAPABILITIES}: capabilities().needs_cpu_seq_lens={got.needs_cpu_seq_lens} but the class "
+                f"attribute (read by decide_needs_cpu_seq_lens) is {declared}"
+            )
         if got.device_type != world.pool.device.type:
-            pytest.fail(f"{CAPABILITIES}: capabilities().device_type={got.device_type!r} but the pool is on "
-                        f"{world.pool.device} (type {world.pool.device.type!r})")
+            pytest.fail(
+                f"{CAPABILITIES}: capabilities().device_type={got.device_type!r} but the pool is on "
+                f"{world.pool.device} (type {world.pool.device.type!r})"
+            )
     elif aspect == "pdl_env":
         world = attnplug_world(cfg.spec(), 91, env={DISABLE_PDL_ENV: "1"})
         if world.backend.capabilities().pdl:
@@ -104,19 +112,24 @@ def check_capabilities_honest(aspect, attnplug_capabilities, attnplug_world):
         try:
             runner = world.graph_runner(max_bs=2, num_draft_tokens=ndt, bucket_sizes=[2])
         except Exception as exc:
-            pytest.fail(f"{CAPABILITIES}: capabilities().graphs={caps.graphs.name} but capturing "
-                        f"{[m.name for m in modes]} failed: {type(exc).__name__}: {exc}")
+            pytest.fail(
+                f"{CAPABILITIES}: capabilities().graphs={caps.graphs.name} but capturing "
+                f"{[m.name for m in modes]} failed: {type(exc).__name__}: {exc}"
+            )
         for mode in modes:
             step = world.plan(mode, reqs, num_draft_tokens=ndt if mode.is_speculative else None)
             if runner.bucket_for(step.batch) is None:
-                pytest.fail(f"{CAPABILITIES}: capabilities().graphs={caps.graphs.name} but no {mode.name} graph was "
-                            "captured")
+                pytest.fail(
+                    f"{CAPABILITIES}: capabilities().graphs={caps.graphs.name} but no {mode.name} graph was captured"
+                )
             try:
                 out = runner.run(step.batch, step.inputs)
                 world.backend.synchronize(world.device)
             except Exception as exc:
-                pytest.fail(f"{CAPABILITIES}: capabilities().graphs={caps.graphs.name} but replaying a {mode.name} "
-                            f"step failed: {type(exc).__name__}: {exc}")
+                pytest.fail(
+                    f"{CAPABILITIES}: capabilities().graphs={caps.graphs.name} but replaying a {mode.name} "
+                    f"step failed: {type(exc).__name__}: {exc}"
+                )
             if not torch.isfinite(out.float()).all():
                 pytest.fail(f"{CAPABILITIES}: replaying a {mode.name} step gave non-finite values")
             world.advance(step)

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from attnplug import ForwardMode
-
 from attnplug_conformance.support import (
     KV_SLOTS,
     PREFIX,
@@ -111,16 +110,22 @@ def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnp
         allowed = torch.cat([slots.cpu(), torch.zeros(1, dtype=torch.int64)]) if padded else slots.cpu()
         changed = torch.unique(torch.cat([changed_rows(kb0, kb), changed_rows(vb0, vb)]))
         if not save and changed.numel():
-            pytest.fail(f"{KV_SLOTS}: {where} with save_kv_cache=False: layer {layer} ({layer_kind(world, layer)}) "
-                        f"wrote slots {_show(changed)}; with save_kv_cache=False a layer must not write the KV cache")
+            pytest.fail(
+                f"{KV_SLOTS}: {where} with save_kv_cache=False: layer {layer} ({layer_kind(world, layer)}) "
+                f"wrote slots {_show(changed)}; with save_kv_cache=False a layer must not write the KV cache"
+            )
         outside = changed[~torch.isin(changed, allowed)]
         if outside.numel():
             sink = " (slot 0, the padding sink, is allowed in a padded replay)" if padded else ""
-            pytest.fail(f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) wrote slots {_show(outside)} "
-                        f"outside the step's slots {_show(slots)}{sink}")
+            pytest.fail(
+                f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) wrote slots {_show(outside)} "
+                f"outside the step's slots {_show(slots)}{sink}"
+            )
         for name, buf, given in (("k", kb, step.inputs["k"][:, layer]), ("v", vb, step.inputs["v"][:, layer])):
             wrong = torch.nonzero((buf[slots] != given).flatten(1).any(1)).flatten().cpu()
             if wrong.numel():
-                pytest.fail(f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) did not store the step's "
-                            f"{name} at its slots: tokens {_show(wrong)} (slots {_show(slots.cpu()[wrong])}) hold "
-                            "other values")
+                pytest.fail(
+                    f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) did not store the step's "
+                    f"{name} at its slots: tokens {_show(wrong)} (slots {_show(slots.cpu()[wrong])}) hold "
+                    "other values"
+                )

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from attnplug import ForwardMode
-
 from attnplug_conformance.support import (
     DISABLE_PDL_ENV,
     RULE_3,
@@ -54,16 +53,22 @@ def check_pdl_on_off_identical(attnplug_capabilities, attnplug_world):
             w.backend.synchronize(w.device)
         if not _same(outs[0], outs[1]):
             diff = (outs[0].double() - outs[1].double()).abs().max().item()
-            pytest.fail(f"{RULE_3}: {what}: outputs with PDL differ from outputs without (max |diff| {diff:.3g}); "
-                        "a kernel reads its predecessor's output before its grid-dependency wait (gdc_wait)")
+            pytest.fail(
+                f"{RULE_3}: {what}: outputs with PDL differ from outputs without (max |diff| {diff:.3g}); "
+                "a kernel reads its predecessor's output before its grid-dependency wait (gdc_wait)"
+            )
         for layer in range(spec.num_layers):
             for name, a, b in zip("kv", on.pool.get_kv_buffer(layer), off.pool.get_kv_buffer(layer)):
                 if not _same(a, b):
                     pytest.fail(f"{RULE_3}: {what}: layer {layer} {name} cache differs between PDL on and off")
 
-    steps = [(ForwardMode.EXTEND, "eager", [5, 12, 9]), (ForwardMode.DECODE, "eager", None),
-             (ForwardMode.EXTEND, "eager", [4, 1, 7]), (ForwardMode.TARGET_VERIFY, "eager", None),
-             (ForwardMode.DRAFT_EXTEND, "eager", None)]
+    steps = [
+        (ForwardMode.EXTEND, "eager", [5, 12, 9]),
+        (ForwardMode.DECODE, "eager", None),
+        (ForwardMode.EXTEND, "eager", [4, 1, 7]),
+        (ForwardMode.TARGET_VERIFY, "eager", None),
+        (ForwardMode.DRAFT_EXTEND, "eager", None),
+    ]
     steps += [(m, "replay", None) for m in graph_modes(caps.graphs)]
     for mode, path, new in steps:
         ndt = new_tokens_of(mode, 3)[1]
@@ -72,8 +77,9 @@ def check_pdl_on_off_identical(attnplug_capabilities, attnplug_world):
             step = w.plan(mode, rs, new, num_draft_tokens=ndt)
             if path == "replay":
                 if mode not in runners:
-                    runners[mode] = [x.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[4], modes=[mode])
-                                     for x in worlds]
+                    runners[mode] = [
+                        x.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[4], modes=[mode]) for x in worlds
+                    ]
                 out = runners[mode][i].run(step.batch, step.inputs).clone()
             else:
                 out = w.run_eager(step)

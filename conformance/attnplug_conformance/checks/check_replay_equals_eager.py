@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 
 from attnplug import ForwardMode
-
 from attnplug_conformance.support import (
     PREFIX,
     REPLAY,
@@ -54,8 +53,10 @@ def check_replay_equals_eager(mode, kind, attnplug_capabilities, attnplug_world,
         step = world.plan(mode, wreqs, num_draft_tokens=ndt)
         replays = runner.bucket_for(step.batch) is not None
         if replays != (kind != "eager_fallback"):
-            pytest.fail(f"{REPLAY}: the graph runner {'replayed' if replays else 'did not replay'} a {kind} "
-                        f"{mode.name} batch of {n} requests (buckets {runner.bucket_sizes})")
+            pytest.fail(
+                f"{REPLAY}: the graph runner {'replayed' if replays else 'did not replay'} a {kind} "
+                f"{mode.name} batch of {n} requests (buckets {runner.bucket_sizes})"
+            )
         before = world.snapshot_kv()
         replayed = runner.run(step.batch, step.inputs).clone()
         world.backend.synchronize(world.device)
@@ -63,14 +64,17 @@ def check_replay_equals_eager(mode, kind, attnplug_capabilities, attnplug_world,
         world.restore_kv(before)
         eager = world.run_eager(step)
         world.backend.synchronize(world.device)
-        what = f"{mode.name} step {i + 1}, {kind} batch of {n} requests: {'replay' if replays else 'runner fallback'} vs eager"
+        path = "replay" if replays else "runner fallback"
+        what = f"{mode.name} step {i + 1}, {kind} batch of {n} requests: {path} vs eager"
         assert_attention_close(replayed, eager, world, what=what, rule=REPLAY, tol=tol)
         for layer, ((kr, vr), (ke, ve)) in enumerate(zip(after_replay, world.snapshot_kv())):
             for name, a, b in (("k", kr, ke), ("v", vr, ve)):
                 diff = (a[1:] != b[1:]).flatten(1).any(1).nonzero().flatten() + 1
                 if diff.numel():
-                    pytest.fail(f"{REPLAY}: {what}: layer {layer} {name} cache differs at slots {diff.tolist()[:8]} "
-                                "(slot 0, the padding sink, excepted)")
+                    pytest.fail(
+                        f"{REPLAY}: {what}: layer {layer} {name} cache differs at slots {diff.tolist()[:8]} "
+                        "(slot 0, the padding sink, excepted)"
+                    )
         # Eager results (and, for the fallback, the runner's) against the reference twin.
         rreqs = twins.requests(range(n))[1]
         ref_step = ref.plan(mode, rreqs, num_draft_tokens=ndt)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 
 from attnplug import ForwardMode
-
 from attnplug_conformance.support import (
     PREFIX,
     RULE_2,
@@ -35,8 +34,9 @@ METHOD = "init_forward_metadata_replay_cuda_graph"
 
 
 @conformance_check(rule=RULE_2)
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND], ids=lambda m: m.name
+)
 def check_replay_metadata_sync_free(mode, attnplug_capabilities, attnplug_world):
     """Replay metadata makes no host read (suite detector + the device's sync guard)."""
     caps = attnplug_capabilities
@@ -67,8 +67,10 @@ def check_replay_metadata_sync_free(mode, attnplug_capabilities, attnplug_world)
                 except HostSyncError:
                     raise
                 except Exception as exc:
-                    raise HostSyncError(f"{RULE_2}: {METHOD} ({mode.name}) raised under {guard_name} after an "
-                                        f"unguarded replay had succeeded: {type(exc).__name__}: {exc}") from exc
+                    raise HostSyncError(
+                        f"{RULE_2}: {METHOD} ({mode.name}) raised under {guard_name} after an "
+                        f"unguarded replay had succeeded: {type(exc).__name__}: {exc}"
+                    ) from exc
 
     setattr(backend, METHOD, guarded)
     try:

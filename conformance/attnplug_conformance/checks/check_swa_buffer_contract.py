@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from attnplug import ForwardMode, GraphSupport
-
 from attnplug_conformance.support import (
     PREFIX,
     RULE_1,
@@ -54,37 +53,49 @@ def check_swa_buffer_contract(mode, attnplug_capabilities, attnplug_world):
 
     buf = getattr(backend, NAME, None)
     if not isinstance(buf, torch.Tensor):
-        pytest.fail(f"{RULE_1}: after init_cuda_graph_state the backend has no tensor attribute {NAME} "
-                    f"(found {type(buf).__name__}); every backend on every device keeps the step's translated SWA "
-                    f"slots in a buffer of exactly this name{_similar(backend)}")
+        pytest.fail(
+            f"{RULE_1}: after init_cuda_graph_state the backend has no tensor attribute {NAME} "
+            f"(found {type(buf).__name__}); every backend on every device keeps the step's translated SWA "
+            f"slots in a buffer of exactly this name{_similar(backend)}"
+        )
     want = (runner.max_num_tokens,)
     if buf.dtype != torch.int32 or tuple(buf.shape) != want or buf.device != world.pool.device:
-        pytest.fail(f"{RULE_1}: {NAME} must be int32 of shape {list(want)} (max_num_tokens) on {world.pool.device}, "
-                    f"got {str(buf.dtype).replace('torch.', '')} {list(buf.shape)} on {buf.device}")
+        pytest.fail(
+            f"{RULE_1}: {NAME} must be int32 of shape {list(want)} (max_num_tokens) on {world.pool.device}, "
+            f"got {str(buf.dtype).replace('torch.', '')} {list(buf.shape)} on {buf.device}"
+        )
     ptr = buf.data_ptr()
     runner.capture()
 
-    for label, subset in (("big batch (4 requests, bucket 4)", reqs[:4]),
-                          ("small batch after the big one (1 request, bucket 2)", reqs[:1])):
+    for label, subset in (
+        ("big batch (4 requests, bucket 4)", reqs[:4]),
+        ("small batch after the big one (1 request, bucket 2)", reqs[:1]),
+    ):
         step = world.plan(mode, subset, num_draft_tokens=ndt)
         n = step.batch.num_tokens
         runner.run(step.batch, step.inputs)
         backend.synchronize(world.device)
         now = getattr(backend, NAME, None)
         if not isinstance(now, torch.Tensor) or now.data_ptr() != ptr:
-            pytest.fail(f"{RULE_1}: {mode.name} replay of the {label} replaced {NAME} (its storage changed from "
-                        f"{ptr:#x}, allocated by init_cuda_graph_state, to "
-                        f"{'%#x' % now.data_ptr() if isinstance(now, torch.Tensor) else repr(now)}); capture and replay "
-                        "must write that buffer in place")
+            pytest.fail(
+                f"{RULE_1}: {mode.name} replay of the {label} replaced {NAME} (its storage changed from "
+                f"{ptr:#x}, allocated by init_cuda_graph_state, to "
+                f"{'%#x' % now.data_ptr() if isinstance(now, torch.Tensor) else repr(now)}); capture and replay "
+                "must write that buffer in place"
+            )
         if cfg.sliding_window:
             expected = world.pool.translate_loc_from_full_to_swa(step.batch.out_cache_loc).to("cpu", torch.int64)
             host = now.to("cpu", torch.int64)
             if not torch.equal(host[:n], expected):
-                pytest.fail(f"{RULE_1}: after the {mode.name} replay of the {label}, {NAME}[:{n}] = "
-                            f"{host[:n].tolist()[:12]}, expected translate(out_cache_loc) = {expected.tolist()[:12]}")
+                pytest.fail(
+                    f"{RULE_1}: after the {mode.name} replay of the {label}, {NAME}[:{n}] = "
+                    f"{host[:n].tolist()[:12]}, expected translate(out_cache_loc) = {expected.tolist()[:12]}"
+                )
             tail = torch.nonzero(host[n:]).flatten() + n
             if tail.numel():
-                pytest.fail(f"{RULE_1}: after the {mode.name} replay of the {label}, the tail of {NAME} is not zero: "
-                            f"entries {tail.tolist()[:12]} hold {host[tail].tolist()[:12]} (the step fills [:{n}] and "
-                            f"must zero [{n}:]; slot 0 is the padding sink)")
+                pytest.fail(
+                    f"{RULE_1}: after the {mode.name} replay of the {label}, the tail of {NAME} is not zero: "
+                    f"entries {tail.tolist()[:12]} hold {host[tail].tolist()[:12]} (the step fills [:{n}] and "
+                    f"must zero [{n}:]; slot 0 is the padding sink)"
+                )
         world.advance(step)

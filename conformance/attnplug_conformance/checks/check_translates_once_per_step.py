@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from attnplug import ForwardMode
-
 from attnplug_conformance.support import (
     PREFIX,
     REPLAY_TOL,
@@ -75,9 +74,11 @@ def check_translates_once_per_step(path, mode, attnplug_capabilities, attnplug_w
             runner = world.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[1, 2, 4], modes=[mode])
             during_capture = probe.count("layer")
             if during_capture:
-                pytest.fail(f"{RULE_1}: translated {during_capture} times in the layer loop while capturing "
-                            f"{mode.name} graphs ({L} layers per step): the captured layers must read the hoisted "
-                            "swa_out_cache_loc, never translate out_cache_loc themselves")
+                pytest.fail(
+                    f"{RULE_1}: translated {during_capture} times in the layer loop while capturing "
+                    f"{mode.name} graphs ({L} layers per step): the captured layers must read the hoisted "
+                    "swa_out_cache_loc, never translate out_cache_loc themselves"
+                )
         step = world.plan(mode, reqs, new, num_draft_tokens=ndt)
         n = step.batch.num_tokens
 
@@ -93,9 +94,11 @@ def check_translates_once_per_step(path, mode, attnplug_capabilities, attnplug_w
         meta, layer = probe.count("metadata"), probe.count("layer")
         total = meta + layer
         if layer or meta > 1:
-            pytest.fail(f"{RULE_1}: translated {total} times in one {L}-layer {where} ({meta} in metadata, "
-                        f"{layer} in the layer loop); translate out_cache_loc once per step, in metadata, and pass "
-                        "the result to every layer")
+            pytest.fail(
+                f"{RULE_1}: translated {total} times in one {L}-layer {where} ({meta} in metadata, "
+                f"{layer} in the layer loop); translate out_cache_loc once per step, in metadata, and pass "
+                "the result to every layer"
+            )
         if method not in probe.metadata_calls:
             pytest.fail(f"{RULE_1}: {where}: {method} was never called; the step's metadata must be prepared there")
 
@@ -125,19 +128,31 @@ def check_translates_once_per_step(path, mode, attnplug_capabilities, attnplug_w
         k_in, v_in = step.inputs["k"][:, l], step.inputs["v"][:, l]
         pk, pv = poison.poison[l]
         if not (torch.equal(kb[targets], pk) and torch.equal(vb[targets], pv)):
-            pytest.fail(f"{RULE_1}: {where}: layer {l} (SWA) wrote the step's KV at SWA slots translated AFTER the "
-                        f"metadata call (the full->SWA mapping of the new tokens was rewritten between metadata and "
-                        f"the layers): the layer loop translates out_cache_loc itself ({total} counted translations)")
+            pytest.fail(
+                f"{RULE_1}: {where}: layer {l} (SWA) wrote the step's KV at SWA slots translated AFTER the "
+                f"metadata call (the full->SWA mapping of the new tokens was rewritten between metadata and "
+                f"the layers): the layer loop translates out_cache_loc itself ({total} counted translations)"
+            )
         if not (torch.equal(kb[original], k_in) and torch.equal(vb[original], v_in)):
-            pytest.fail(f"{RULE_1}: {where}: layer {l} (SWA) did not store the step's KV at the SWA slots "
-                        f"translate(out_cache_loc) = {original[:8].tolist()} computed in metadata")
+            pytest.fail(
+                f"{RULE_1}: {where}: layer {l} (SWA) did not store the step's KV at the SWA slots "
+                f"translate(out_cache_loc) = {original[:8].tolist()} computed in metadata"
+            )
     if meta == 0 and "buffer" in seen and not torch.equal(seen["buffer"].to(torch.int64), original):
-        pytest.fail(f"{RULE_1}: {where}: metadata made no call to pool.translate_loc_from_full_to_swa and "
-                    f"cuda_graph_swa_out_cache_loc[:{n}] = {seen['buffer'][:8].tolist()} after it, not "
-                    f"translate(out_cache_loc) = {original[:8].tolist()}: the translation did not happen in metadata")
+        pytest.fail(
+            f"{RULE_1}: {where}: metadata made no call to pool.translate_loc_from_full_to_swa and "
+            f"cuda_graph_swa_out_cache_loc[:{n}] = {seen['buffer'][:8].tolist()} after it, not "
+            f"translate(out_cache_loc) = {original[:8].tolist()}: the translation did not happen in metadata"
+        )
 
     # A window table translated per layer reads the rewritten entries: the output would change.
-    assert_attention_close(poisoned, plain, world, rule=RULE_1, tol=REPLAY_TOL[spec.dtype],
-                           what=f"{where} with the new tokens' full->SWA mapping rewritten after the metadata call "
-                                "vs the same step without (the window's SWA slots must be translated in metadata, "
-                                "not per layer)")
+    assert_attention_close(
+        poisoned,
+        plain,
+        world,
+        rule=RULE_1,
+        tol=REPLAY_TOL[spec.dtype],
+        what=f"{where} with the new tokens' full->SWA mapping rewritten after the metadata call "
+        "vs the same step without (the window's SWA slots must be translated in metadata, "
+        "not per layer)",
+    )

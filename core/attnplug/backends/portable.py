@@ -77,8 +77,18 @@ class _StepMetadata:
     def copy_(self, other: "_StepMetadata") -> "_StepMetadata":
         """Write ``other``'s values into this metadata's (static) tensors, in place (a field
         that is None on either side is left as it is)."""
-        for name in ("token_req", "token_idx", "q_start", "full_slots", "swa_out_cache_loc", "swa_slots", "swa_start",
-                     "seq_lens", "full_store_loc", "swa_store_loc"):
+        for name in (
+            "token_req",
+            "token_idx",
+            "q_start",
+            "full_slots",
+            "swa_out_cache_loc",
+            "swa_slots",
+            "swa_start",
+            "seq_lens",
+            "full_store_loc",
+            "swa_store_loc",
+        ):
             dst, src = getattr(self, name), getattr(other, name)
             if dst is not None and src is not None:
                 dst.copy_(src)
@@ -222,8 +232,10 @@ class PortableBackend(AttentionBackend):
             raise RuntimeError("init_cuda_graph_state() must run before capture or replay")
         q_len = batch.q_len
         if q_len is None:
-            raise ValueError(f"{batch.forward_mode.name} steps are not captured by the {self.name} backend "
-                             f"(graphs={self.capabilities().graphs.name})")
+            raise ValueError(
+                f"{batch.forward_mode.name} steps are not captured by the {self.name} backend "
+                f"(graphs={self.capabilities().graphs.name})"
+            )
         key = (batch.batch_size, q_len)
         md = self._graph_metadata.get(key)
         if md is None:

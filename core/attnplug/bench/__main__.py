@@ -33,8 +33,14 @@ def _child(argv: List[str]) -> int:
         from ..soak.selection import resolve_backend
 
         backend_cls, _ = resolve_backend(args.backend, args.device)
-    ctx = Ctx(backend_cls=backend_cls, device=torch.device(args.device), quick=args.quick,
-              deadline=Deadline(args.budget_s), options=json.loads(args.options), rows_out=args.rows_out)
+    ctx = Ctx(
+        backend_cls=backend_cls,
+        device=torch.device(args.device),
+        quick=args.quick,
+        deadline=Deadline(args.budget_s),
+        options=json.loads(args.options),
+        rows_out=args.rows_out,
+    )
     rows = run_benchmark(suite.get(args.child), ctx)
     return 1 if any(r.get("error") for r in rows) else 0
 

@@ -33,8 +33,11 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: str, baseline: str) -> List
     from matplotlib.figure import Figure
 
     os.makedirs(out_dir, exist_ok=True)
-    units = {(r["benchmark"], str(r.get("series") or r.get("metric") or "")): (r.get("metric"), r.get("unit"))
-             for r in rows if r.get("variant") is not None and r.get("bs") is not None}
+    units = {
+        (r["benchmark"], str(r.get("series") or r.get("metric") or "")): (r.get("metric"), r.get("unit"))
+        for r in rows
+        if r.get("variant") is not None and r.get("bs") is not None
+    }
     floors: Dict[tuple, Dict[int, float]] = defaultdict(dict)
     for r in rows:
         if r.get("floor") is not None and r.get("bs") is not None:
@@ -67,8 +70,9 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: str, baseline: str) -> List
                     ax_r.plot(xs, [base[x] / points[x] for x in xs], marker="o", label=f"{baseline} / {variant}")
                 ax_r.legend()
             else:
-                ax_r.text(0.5, 0.5, f"no {baseline!r} baseline measured", ha="center", va="center",
-                          transform=ax_r.transAxes)
+                ax_r.text(
+                    0.5, 0.5, f"no {baseline!r} baseline measured", ha="center", va="center", transform=ax_r.transAxes
+                )
             ax_r.set_title(f"ratio vs {baseline} (above 1: faster)")
             ax_r.set_xlabel("batch size")
             ax_r.set_ylabel("x")

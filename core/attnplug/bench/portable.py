@@ -51,10 +51,18 @@ def run_hybrid_step(ctx: Ctx) -> List[dict]:
     }
     tolerance = 1e-4 if shape.dtype == torch.float32 else 2e-2
     return run_step_benchmark(
-        ctx, name="hybrid_step", shape=shape, variants=variants, baseline="eager",
-        modes=(ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND), sizes=(1, 4) if ctx.quick else (1, 4, 16),
-        steps=lambda bs: 2 if ctx.quick else 20, repeats=2 if ctx.quick else 5, warmup=1 if ctx.quick else 3,
-        tolerance=tolerance, need_s=5.0,
+        ctx,
+        name="hybrid_step",
+        shape=shape,
+        variants=variants,
+        baseline="eager",
+        modes=(ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND),
+        sizes=(1, 4) if ctx.quick else (1, 4, 16),
+        steps=lambda bs: 2 if ctx.quick else 20,
+        repeats=2 if ctx.quick else 5,
+        warmup=1 if ctx.quick else 3,
+        tolerance=tolerance,
+        need_s=5.0,
     )
 
 
@@ -63,8 +71,12 @@ SUITE = Suite(
     module="attnplug.bench.portable",
     baseline="eager",
     benchmarks=[
-        Benchmark("hybrid_step", "attnplug.bench.portable:run_hybrid_step",
-                  "whole steps of a small hybrid model through GraphRunner vs eager steps", reserve_s=10.0),
+        Benchmark(
+            "hybrid_step",
+            "attnplug.bench.portable:run_hybrid_step",
+            "whole steps of a small hybrid model through GraphRunner vs eager steps",
+            reserve_s=10.0,
+        ),
     ],
     options={"dtype": "auto"},
     isolate=False,

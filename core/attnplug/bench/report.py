@@ -58,8 +58,14 @@ def results_table(rows: Iterable[Dict[str, Any]], *, all_rows: bool = False, tit
         detail = r.get("detail") or r.get("notes") or ""
         if r.get("error"):
             met, detail = Text("ERROR", style="bold red"), _first_line(r["error"])
-        cells = [Text(str(r.get("benchmark", ""))), Text(str(r.get("case", ""))), Text(str(r.get("metric", ""))),
-                 Text(value), Text(r.get("target") or ""), met]
+        cells = [
+            Text(str(r.get("benchmark", ""))),
+            Text(str(r.get("case", ""))),
+            Text(str(r.get("metric", ""))),
+            Text(value),
+            Text(r.get("target") or ""),
+            met,
+        ]
         if floors:
             pct = r.get("pct_of_floor")
             cells.append(Text("" if pct is None else f"{pct:.0f}%"))
@@ -80,8 +86,12 @@ def print_report(result: Dict[str, Any], file=None) -> None:
     """The table, then (last) one summary line: targets met, errors, time, where outputs went."""
     console = _console(file)
     console.print()
-    console.print(results_table(result["rows"], title=f"attnplug bench: {result['suite']} suite, backend "
-                                                      f"{result['backend']} on {result['device']}"))
+    console.print(
+        results_table(
+            result["rows"],
+            title=f"attnplug bench: {result['suite']} suite, backend {result['backend']} on {result['device']}",
+        )
+    )
     s = result["summary"]
     where = []
     if result.get("json"):
@@ -90,8 +100,10 @@ def print_report(result: Dict[str, Any], file=None) -> None:
         where.append(f"plots: {len(result['plots'])} PNG in {os.path.dirname(result['plots'][0]) or '.'}")
     elif result.get("plots_note"):
         where.append(result["plots_note"])
-    line = (f"targets met: {s['met']} / {s['targets']}; errors: {len(s['errors'])}; total {result['total_s']:.0f} s"
-            + "".join(f"; {w}" for w in where))
+    line = (
+        f"targets met: {s['met']} / {s['targets']}; errors: {len(s['errors'])}; total {result['total_s']:.0f} s"
+        + "".join(f"; {w}" for w in where)
+    )
     console.file.flush()
     print(line, file=console.file, flush=True)
 

@@ -81,4 +81,3 @@ def summarize(rows: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
 def failure_row(benchmark: str, exc: BaseException, tb: str = "") -> Dict[str, Any]:
     """The row a benchmark that raised leaves behind."""
     return row(benchmark, "(benchmark)", "all", None, "", error=f"{type(exc).__name__}: {exc}", traceback=tb)
-

@@ -83,10 +83,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _run_in_child(suite: Suite, bench: Benchmark, ctx: Ctx, timeout: float) -> List[dict]:
     fd, rows_path = tempfile.mkstemp(prefix=f"attnplug-bench-{bench.name}-", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, "-m", "attnplug.bench", "--child", bench.name, "--suite", suite.module,
-           "--backend", class_spec(ctx.backend_cls) if ctx.backend_cls else "", "--device", str(ctx.device),
-           "--rows-out", rows_path, "--budget-s", f"{max(5.0, timeout - 20):.0f}",
-           "--options", json.dumps(ctx.options)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnplug.bench",
+        "--child",
+        bench.name,
+        "--suite",
+        suite.module,
+        "--backend",
+        class_spec(ctx.backend_cls) if ctx.backend_cls else "",
+        "--device",
+        str(ctx.device),
+        "--rows-out",
+        rows_path,
+        "--budget-s",
+        f"{max(5.0, timeout - 20):.0f}",
+        "--options",
+        json.dumps(ctx.options),
+    ]
     if ctx.quick:
         cmd.append("--quick")
     try:
@@ -97,11 +112,27 @@ def _run_in_child(suite: Suite, bench: Benchmark, ctx: Ctx, timeout: float) -> L
         except Exception:
             rows = []
         if rc is None:
-            rows.append(row(bench.name, "(benchmark)", "all", None, "", error=f"killed at its {timeout:.0f} s time "
-                            "limit (rows before this one were measured before that)"))
+            rows.append(
+                row(
+                    bench.name,
+                    "(benchmark)",
+                    "all",
+                    None,
+                    "",
+                    error=f"killed at its {timeout:.0f} s time limit (rows before this one were measured before that)",
+                )
+            )
         elif rc != 0 and not any(r.get("error") for r in rows):
-            rows.append(row(bench.name, "(benchmark)", "all", None, "",
-                            error=f"child process exited with status {rc} (see its output above)"))
+            rows.append(
+                row(
+                    bench.name,
+                    "(benchmark)",
+                    "all",
+                    None,
+                    "",
+                    error=f"child process exited with status {rc} (see its output above)",
+                )
+            )
         return rows
     finally:
         for path in (rows_path, rows_path + ".tmp"):
@@ -155,24 +186,41 @@ def run_suite(
     isolate = suite.isolate if isolate is None else isolate
     paths = [p for p in (os.path.join(out_dir, JSON_NAME) if out_dir else None, json_path) if p]
     deadline = Deadline(budget)
-    ctx = Ctx(backend_cls=backend_cls, device=device, quick=quick, deadline=deadline,
-              options=dict(suite.options if options is None else options), timer=Timer(device, backend_cls))
+    ctx = Ctx(
+        backend_cls=backend_cls,
+        device=device,
+        quick=quick,
+        deadline=deadline,
+        options=dict(suite.options if options is None else options),
+        timer=Timer(device, backend_cls),
+    )
     env = environment(device, argv)
     if suite.environment is not None:
         env.update(suite.environment())
     env["timing"] = ctx.timer.method
     result: Dict[str, Any] = {
-        "suite": suite.name, "backend": getattr(backend_cls, "name", None) or "-", "device": str(device),
-        "environment": env, "quick": quick, "budget_s": budget, "isolated": isolate, "options": ctx.options,
-        "benchmarks": [b.name for b in benchmarks], "rows": [], "elapsed_s": {}, "json": paths[-1] if paths else None,
+        "suite": suite.name,
+        "backend": getattr(backend_cls, "name", None) or "-",
+        "device": str(device),
+        "environment": env,
+        "quick": quick,
+        "budget_s": budget,
+        "isolated": isolate,
+        "options": ctx.options,
+        "benchmarks": [b.name for b in benchmarks],
+        "rows": [],
+        "elapsed_s": {},
+        "json": paths[-1] if paths else None,
     }
-    ctx.log(f"attnplug bench: {suite.name} suite, backend {result['backend']} on {device} "
-            f"({env.get('device_name')}), torch {env['torch']}, triton {env['triton']}, timing: {env['timing']}; "
-            f"{'quick' if quick else 'full'} run of {result['benchmarks']}")
+    ctx.log(
+        f"attnplug bench: {suite.name} suite, backend {result['backend']} on {device} "
+        f"({env.get('device_name')}), torch {env['torch']}, triton {env['triton']}, timing: {env['timing']}; "
+        f"{'quick' if quick else 'full'} run of {result['benchmarks']}"
+    )
     for i, bench in enumerate(benchmarks):
         ctx.log(f"== {bench.name} ==")
         t0 = time.monotonic()
-        later = sum(b.reserve_s * (0.5 if quick else 1.0) for b in benchmarks[i + 1:])
+        later = sum(b.reserve_s * (0.5 if quick else 1.0) for b in benchmarks[i + 1 :])
         if isolate:
             timeout = 3600.0 if budget is None else max(30.0, deadline.left() - later)
             rows = _run_in_child(suite, bench, ctx, timeout)

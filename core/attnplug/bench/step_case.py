@@ -47,9 +47,11 @@ class StepShape:
 
     def describe(self) -> str:
         swa = sum(1 for layer in range(self.num_layers) if layer % 4 != 3)
-        return (f"{self.num_layers} layers ({swa} SWA), {self.num_heads} q / {self.num_kv_heads} KV heads, "
-                f"D={self.head_dim}, {str(self.dtype).replace('torch.', '')}, context {self.context}, "
-                f"window {self.window}")
+        return (
+            f"{self.num_layers} layers ({swa} SWA), {self.num_heads} q / {self.num_kv_heads} KV heads, "
+            f"D={self.head_dim}, {str(self.dtype).replace('torch.', '')}, context {self.context}, "
+            f"window {self.window}"
+        )
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,18 @@ class StepVariant:
     with_cpu: bool = False
 
 
-def time_variant(ctx: Ctx, world: HybridWorld, variant: StepVariant, backend, mode: ForwardMode, bs: int, *,
-                 steps: int, repeats: int, warmup: int = 5) -> Tuple[float, torch.Tensor]:
+def time_variant(
+    ctx: Ctx,
+    world: HybridWorld,
+    variant: StepVariant,
+    backend,
+    mode: ForwardMode,
+    bs: int,
+    *,
+    steps: int,
+    repeats: int,
+    warmup: int = 5,
+) -> Tuple[float, torch.Tensor]:
     """(microseconds per step, the step's output ``[bs * q_len, H, D]`` as float32)."""
     from ..graphs.runner import GraphRunner
 
@@ -75,13 +87,21 @@ def time_variant(ctx: Ctx, world: HybridWorld, variant: StepVariant, backend, mo
     batch = world.batch(mode, bs, with_cpu=variant.with_cpu)
     inputs = {"x": torch.zeros(T, 1, dtype=INPUTS["x"][1], device=world.pool.device)}
     if variant.graph:
-        runner = GraphRunner(backend, step, max_bs=bs, inputs=INPUTS,
-                             num_draft_tokens=world.num_draft if q > 1 else None, bucket_sizes=[bs], modes=[mode])
+        runner = GraphRunner(
+            backend,
+            step,
+            max_bs=bs,
+            inputs=INPUTS,
+            num_draft_tokens=world.num_draft if q > 1 else None,
+            bucket_sizes=[bs],
+            modes=[mode],
+        )
         runner.capture(strict=True)
 
         def run_step() -> torch.Tensor:
             return runner.run(batch, inputs)
     else:
+
         def run_step() -> torch.Tensor:
             backend.init_forward_metadata(batch)
             return step(batch, inputs)
@@ -113,21 +133,41 @@ def run_step_benchmark(
     ``tolerance``: the largest allowed output difference from the baseline; ``warmup``:
     untimed steps before each variant's samples."""
     rows = ctx.rows
-    world = build_world(num_layers=shape.num_layers, max_bs=max(sizes), context=shape.context, window=shape.window,
-                        num_draft=shape.num_draft, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                        head_dim=shape.head_dim, dtype=shape.dtype, device=ctx.device)
+    world = build_world(
+        num_layers=shape.num_layers,
+        max_bs=max(sizes),
+        context=shape.context,
+        window=shape.window,
+        num_draft=shape.num_draft,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+        device=ctx.device,
+    )
     ctx.timer.sync()
     ctx.log(f"  world: {shape.describe()}, max bs {max(sizes)} on {world.pool.device}; timing: {ctx.timer.method}")
-    backends = {v: spec.make(world.pool, world.rows, num_heads=shape.num_heads, sliding_window=shape.window)
-                for v, spec in variants.items()}
+    backends = {
+        v: spec.make(world.pool, world.rows, num_heads=shape.num_heads, sliding_window=shape.window)
+        for v, spec in variants.items()
+    }
     diffs: List[float] = []
     for mode in modes:
         series = mode.name.lower()
         for bs in sizes:
             label = f"{series} bs={bs}"
             if ctx.time_low(need_s):
-                rows.append(row(name, label, f"speedup ({baseline} / variant)", None, "x",
-                                notes="skipped: time budget", key=True))
+                rows.append(
+                    row(
+                        name,
+                        label,
+                        f"speedup ({baseline} / variant)",
+                        None,
+                        "x",
+                        notes="skipped: time budget",
+                        key=True,
+                    )
+                )
                 ctx.log(f"  {label}: skipped (time budget)")
                 continue
             times: Dict[str, float] = {}
@@ -135,16 +175,40 @@ def run_step_benchmark(
             n = steps(bs)
             for v, spec in variants.items():
                 try:
-                    us, outs[v] = time_variant(ctx, world, spec, backends[v], mode, bs, steps=n, repeats=repeats,
-                                               warmup=warmup)
+                    us, outs[v] = time_variant(
+                        ctx, world, spec, backends[v], mode, bs, steps=n, repeats=repeats, warmup=warmup
+                    )
                     times[v] = us
-                    rows.append(row(name, f"{label} {v}", "time per step", us, "us", variant=v, bs=bs, series=series,
-                                    steps=n, repeats=repeats))
+                    rows.append(
+                        row(
+                            name,
+                            f"{label} {v}",
+                            "time per step",
+                            us,
+                            "us",
+                            variant=v,
+                            bs=bs,
+                            series=series,
+                            steps=n,
+                            repeats=repeats,
+                        )
+                    )
                     ctx.log(f"  {label} {v}: {us:.1f} us/step")
                 except Exception as exc:
-                    rows.append(row(name, f"{label} {v}", "time per step", None, "us", variant=v, bs=bs,
-                                    series=series, error=f"{type(exc).__name__}: {exc}",
-                                    traceback=traceback.format_exc()))
+                    rows.append(
+                        row(
+                            name,
+                            f"{label} {v}",
+                            "time per step",
+                            None,
+                            "us",
+                            variant=v,
+                            bs=bs,
+                            series=series,
+                            error=f"{type(exc).__name__}: {exc}",
+                            traceback=traceback.format_exc(),
+                        )
+                    )
                     ctx.log(f"  {label} {v}: FAILED {type(exc).__name__}: {exc}")
                 finally:
                     free_memory(ctx.timer)
@@ -158,19 +222,43 @@ def run_step_benchmark(
                 s = times[baseline] / times[v]
                 held = target_speedup is not None
                 metric = f"speedup ({baseline} / {v})"
-                rows.append(row(
-                    name, label, metric, s, "x", target=f">= {target_speedup}x" if held else None,
-                    met=(s >= target_speedup) if held else None, key=True, of_variant=v, bs=bs, series=series,
-                    max_abs_out_diff=diff, **{f"{v}_us": times[v], f"{baseline}_us": times[baseline]},
-                    detail=(f"OUTPUTS DIFFER (max {diff:.3g}); " if diff > tolerance else "")
-                    + f"step: {v} {times[v]:.1f} us, {baseline} {times[baseline]:.1f} us"))
-                ctx.log(f"  {label:20s} {v} {times[v]:9.1f} us  {baseline} {times[baseline]:9.1f} us  "
-                        f"speedup {s:5.2f}x  (max |out diff| {diff:.2e})")
+                rows.append(
+                    row(
+                        name,
+                        label,
+                        metric,
+                        s,
+                        "x",
+                        target=f">= {target_speedup}x" if held else None,
+                        met=(s >= target_speedup) if held else None,
+                        key=True,
+                        of_variant=v,
+                        bs=bs,
+                        series=series,
+                        max_abs_out_diff=diff,
+                        **{f"{v}_us": times[v], f"{baseline}_us": times[baseline]},
+                        detail=(f"OUTPUTS DIFFER (max {diff:.3g}); " if diff > tolerance else "")
+                        + f"step: {v} {times[v]:.1f} us, {baseline} {times[baseline]:.1f} us",
+                    )
+                )
+                ctx.log(
+                    f"  {label:20s} {v} {times[v]:9.1f} us  {baseline} {times[baseline]:9.1f} us  "
+                    f"speedup {s:5.2f}x  (max |out diff| {diff:.2e})"
+                )
             del outs
     if diffs:
-        rows.append(row(name, f"every case ({len(diffs)})", f"max |variant - {baseline}| output", max(diffs), "",
-                        target=f"<= {tolerance:g}", met=max(diffs) <= tolerance,
-                        detail="same attention, same KV: every variant must agree with the baseline"))
+        rows.append(
+            row(
+                name,
+                f"every case ({len(diffs)})",
+                f"max |variant - {baseline}| output",
+                max(diffs),
+                "",
+                target=f"<= {tolerance:g}",
+                met=max(diffs) <= tolerance,
+                detail="same attention, same KV: every variant must agree with the baseline",
+            )
+        )
     del backends, world
     free_memory(ctx.timer)
     return rows

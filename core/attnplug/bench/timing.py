@@ -83,19 +83,18 @@ class Timer:
         return self._method
 
     # ------------------------------------------------------------------ timings (microseconds)
-    def device_us(self, fn: Callable[[], object], *, rep_ms: float = 100.0, warmup: int = 3,
-                  iters: int = 20) -> float:
+    def device_us(self, fn: Callable[[], object], *, rep_ms: float = 100.0, warmup: int = 3, iters: int = 20) -> float:
         """Median time of one eager ``fn()``: ``do_bench`` (``rep_ms`` of repetitions), or
         ``iters`` wall-clock samples of one call each, synchronised."""
         if self.method == "triton.testing":
             import triton.testing
 
-            return 1e3 * float(triton.testing.do_bench(fn, warmup=max(1, rep_ms // 4), rep=rep_ms,
-                                                       return_mode="median"))
+            return 1e3 * float(
+                triton.testing.do_bench(fn, warmup=max(1, rep_ms // 4), rep=rep_ms, return_mode="median")
+            )
         return self.wall_us(fn, calls=1, repeats=iters, warmup=warmup)
 
-    def graph_us(self, fn: Callable[[], object], *, rep_ms: float = 50.0, repeats: int = 20,
-                 inner: int = 5) -> float:
+    def graph_us(self, fn: Callable[[], object], *, rep_ms: float = 50.0, repeats: int = 20, inner: int = 5) -> float:
         """Median time of one ``fn()`` replayed from a graph: ``do_bench_cudagraph`` (``fn``
         unrolled over ``rep_ms`` in one graph), or ``fn`` captured once in the backend's
         graph and ``repeats`` samples of ``inner`` back-to-back replays each."""

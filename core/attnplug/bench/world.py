@@ -88,8 +88,10 @@ def build_world(
     device before timing anything (the random fill is queued work)."""
     prefix = context - num_draft
     if prefix < 1 or window < 1 or max_bs < 1:
-        raise ValueError(f"build_world needs context > num_draft, window >= 1 and max_bs >= 1; got context={context}, "
-                         f"num_draft={num_draft}, window={window}, max_bs={max_bs}")
+        raise ValueError(
+            f"build_world needs context > num_draft, window >= 1 and max_bs >= 1; got context={context}, "
+            f"num_draft={num_draft}, window={window}, max_bs={max_bs}"
+        )
     swa_layers = [l for l in range(num_layers) if l % 4 != 3]
     size = max_bs * (context + 8)
     # Live SWA slots per request after eviction: window - 1 + num_draft; plus one prefix in flight.
@@ -114,9 +116,18 @@ def build_world(
         for buf in (*pool.k_buffer, *pool.v_buffer):
             buf.normal_(generator=gen)
     return HybridWorld(
-        pool=pool, rows=rows, alloc=alloc, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, context=context, num_draft=num_draft,
-        req_rows=req_rows, step_slots=torch.stack(step_slots),
+        pool=pool,
+        rows=rows,
+        alloc=alloc,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        window=window,
+        context=context,
+        num_draft=num_draft,
+        req_rows=req_rows,
+        step_slots=torch.stack(step_slots),
     )
 
 

@@ -146,17 +146,21 @@ class GraphRunner:
         wanted = tuple(modes) if modes is not None else supported
         unsupported = [m.name for m in wanted if m not in supported]
         if unsupported:
-            raise ValueError(f"backend {backend.name!r} cannot capture {unsupported} (graphs={backend.capabilities().graphs.name})")
+            raise ValueError(
+                f"backend {backend.name!r} cannot capture {unsupported} (graphs={backend.capabilities().graphs.name})"
+            )
         if modes is not None and num_draft_tokens is None and any(m.is_speculative for m in wanted):
-            raise ValueError(f"modes {[m.name for m in wanted if m.is_speculative]} need num_draft_tokens "
-                             "(the q_len of every request)")
+            raise ValueError(
+                f"modes {[m.name for m in wanted if m.is_speculative]} need num_draft_tokens "
+                "(the q_len of every request)"
+            )
         self.modes = tuple(m for m in wanted if m is ForwardMode.DECODE or num_draft_tokens)
         #: mode -> why the runner never replays it (every step of that mode runs eagerly)
         self.not_captured: Dict[ForwardMode, str] = {
-            m: _why_not_captured(m, backend, supported, wanted) for m in ForwardMode if m not in self.modes}
+            m: _why_not_captured(m, backend, supported, wanted) for m in ForwardMode if m not in self.modes
+        }
         if not supported:
-            logger.warning("GraphRunner(%s): the backend declares graphs=NEVER: every step runs eagerly",
-                           backend.name)
+            logger.warning("GraphRunner(%s): the backend declares graphs=NEVER: every step runs eagerly", backend.name)
         self.max_bs = max_bs
         q_max = max([1] + [num_draft_tokens or 1 for m in self.modes if m.is_speculative])
         self.max_num_tokens = max_bs * q_max
@@ -169,7 +173,9 @@ class GraphRunner:
         self.seq_lens = torch.full((max_bs,), self.fill_value, dtype=torch.int64, device=dev)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.inputs = {name: torch.zeros((n, *shape), dtype=dtype, device=dev) for name, (shape, dtype) in inputs.items()}
+        self.inputs = {
+            name: torch.zeros((n, *shape), dtype=dtype, device=dev) for name, (shape, dtype) in inputs.items()
+        }
         self.graphs: Dict[GraphKey, _Captured] = {}
         #: (mode, bucket) -> why its capture failed (those buckets run in a larger bucket or eagerly)
         self.capture_failures: Dict[GraphKey, str] = {}
@@ -218,8 +224,12 @@ class GraphRunner:
         self.capture_ran = True
         for mode in self.modes:
             if not any(k[0] is mode for k in self.graphs):
-                logger.error("GraphRunner(%s): no %s graph captured; every %s step runs eagerly", self.backend.name,
-                             mode.name, mode.name)
+                logger.error(
+                    "GraphRunner(%s): no %s graph captured; every %s step runs eagerly",
+                    self.backend.name,
+                    mode.name,
+                    mode.name,
+                )
         if strict and self.capture_failures:
             raise GraphCaptureError(self.capture_failures)
         return dict(self.capture_failures)
@@ -239,9 +249,17 @@ class GraphRunner:
     def _record_failure(self, key: GraphKey, exc: BaseException) -> None:
         reason = _describe(exc)
         self.capture_failures[key] = reason
-        logger.warning("GraphRunner(%s): capturing %s failed, that bucket is not captured: %s", self.backend.name,
-                       _key_name(key), reason)
-        logger.debug("capture traceback of %s:\n%s", _key_name(key), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        logger.warning(
+            "GraphRunner(%s): capturing %s failed, that bucket is not captured: %s",
+            self.backend.name,
+            _key_name(key),
+            reason,
+        )
+        logger.debug(
+            "capture traceback of %s:\n%s",
+            _key_name(key),
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
 
     def status(self) -> Dict[str, object]:
         """What the runner captured, JSON-ready: ``backend``, ``capture_ran``, ``device_graphs``
@@ -289,19 +307,25 @@ class GraphRunner:
         if self.bucket_for(batch) is not None:
             return None
         if mode.is_speculative and batch.num_draft_tokens != self.num_draft_tokens:
-            return "num-draft-tokens", (f"num_draft_tokens={batch.num_draft_tokens}, the graphs are captured for "
-                                        f"num_draft_tokens={self.num_draft_tokens}")
+            return "num-draft-tokens", (
+                f"num_draft_tokens={batch.num_draft_tokens}, the graphs are captured for "
+                f"num_draft_tokens={self.num_draft_tokens}"
+            )
         if not self.capture_ran:
-            return "not-captured-yet", (f"capture() has not run yet (run() captures on the first step of "
-                                        f"{', '.join(m.name for m in self.modes)})")
+            return "not-captured-yet", (
+                f"capture() has not run yet (run() captures on the first step of "
+                f"{', '.join(m.name for m in self.modes)})"
+            )
         captured = [b for (m, b) in self.graphs if m is mode]
         if not captured:
             failed = {_key_name(k): r for k, r in self.capture_failures.items() if k[0] is mode}
             return "capture-failed", f"every {mode.name} capture failed: {failed}"
         failed = sorted(b for (m, b) in self.capture_failures if m is mode and b >= batch.batch_size)
         extra = f" (the capture of buckets {failed} failed)" if failed else ""
-        return "too-large", (f"batch_size {batch.batch_size} exceeds the largest captured {mode.name} bucket "
-                             f"{max(captured)} (max_bs={self.max_bs}){extra}")
+        return "too-large", (
+            f"batch_size {batch.batch_size} exceeds the largest captured {mode.name} bucket "
+            f"{max(captured)} (max_bs={self.max_bs}){extra}"
+        )
 
     def _note_eager(self, batch: ForwardBatch) -> None:
         """Count an eager step and log its reason the first time (per mode and kind)."""
@@ -324,8 +348,9 @@ class GraphRunner:
         covers runs eagerly (``init_forward_metadata`` + ``step``); ``why_eager`` says why.
         """
         if not self.capture_ran and batch.forward_mode in self.modes:
-            logger.info("GraphRunner(%s): capturing on first use (first %s step)", self.backend.name,
-                        batch.forward_mode.name)
+            logger.info(
+                "GraphRunner(%s): capturing on first use (first %s step)", self.backend.name, batch.forward_mode.name
+            )
             self.capture()
         bucket = self.bucket_for(batch)
         if bucket is None:
@@ -356,15 +381,18 @@ class GraphRunner:
             dst[n:padded].fill_(fill)
 
 
-def _why_not_captured(mode: ForwardMode, backend: AttentionBackend, supported: Tuple[ForwardMode, ...],
-                      wanted: Tuple[ForwardMode, ...]) -> str:
+def _why_not_captured(
+    mode: ForwardMode, backend: AttentionBackend, supported: Tuple[ForwardMode, ...], wanted: Tuple[ForwardMode, ...]
+) -> str:
     """Why a runner over ``backend`` never captures ``mode`` (one sentence)."""
     graphs = backend.capabilities().graphs.name
     if not supported:
         return f"backend {backend.name!r} declares graphs=NEVER"
     if mode not in _RUNNER_MODES:
-        return ("GraphRunner captures only modes with the same number of new tokens per request "
-                "(DECODE, TARGET_VERIFY, DRAFT_EXTEND)")
+        return (
+            "GraphRunner captures only modes with the same number of new tokens per request "
+            "(DECODE, TARGET_VERIFY, DRAFT_EXTEND)"
+        )
     if mode not in supported:
         return f"backend {backend.name!r} declares graphs={graphs} ({', '.join(m.name for m in supported)})"
     if mode not in wanted:

@@ -132,8 +132,9 @@ class SWATokenAllocator:
         nothing, when either pool is short.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % self.page_size:
-            raise KVSlotError(f"alloc(n) needs an int n >= 0 that is a multiple of page_size={self.page_size}, "
-                              f"got {n!r}")
+            raise KVSlotError(
+                f"alloc(n) needs an int n >= 0 that is a multiple of page_size={self.page_size}, got {n!r}"
+            )
         pages = self._take_pages(n // self.page_size)
         return self._page_slots(pages).to(self.device)
 
@@ -157,14 +158,18 @@ class SWATokenAllocator:
         seq = _host_int64(seq_lens, "seq_lens")
         last = _host_int64(last_loc, "last_loc")
         if not prefix.numel() == seq.numel() == last.numel():
-            raise KVSlotError(f"prefix_lens, seq_lens and last_loc differ in length: "
-                              f"{prefix.numel()}, {seq.numel()}, {last.numel()}")
+            raise KVSlotError(
+                f"prefix_lens, seq_lens and last_loc differ in length: {prefix.numel()}, {seq.numel()}, {last.numel()}"
+            )
         if bool((prefix < 0).any()) or bool((seq < prefix).any()):
-            raise KVSlotError(f"need 0 <= prefix_lens <= seq_lens, got prefix_lens={_first(prefix)}, "
-                              f"seq_lens={_first(seq)}")
+            raise KVSlotError(
+                f"need 0 <= prefix_lens <= seq_lens, got prefix_lens={_first(prefix)}, seq_lens={_first(seq)}"
+            )
         if prefix.numel() and int(seq.max()) > self.pool.size:  # also keeps the arithmetic below in range
-            raise KVSlotError(f"seq_lens {_first(seq[seq > self.pool.size])} exceed the full pool's "
-                              f"{self.pool.size} slots: no request can hold that many positions")
+            raise KVSlotError(
+                f"seq_lens {_first(seq[seq > self.pool.size])} exceed the full pool's "
+                f"{self.pool.size} slots: no request can hold that many positions"
+            )
         self._check_last_loc(prefix, seq, last)
 
         ext = seq - prefix  # [bs] new tokens
@@ -205,8 +210,10 @@ class SWATokenAllocator:
         pages, slots = self._full_pages_of(full_locs, "free")
         idle = ~self._full.used[pages]
         if bool(idle.any()):
-            raise KVSlotError(f"free: full slots {_first(self._slots_in(slots, pages[idle]))} are not allocated "
-                              "(double free or never allocated)")
+            raise KVSlotError(
+                f"free: full slots {_first(self._slots_in(slots, pages[idle]))} are not allocated "
+                "(double free or never allocated)"
+            )
         swa_pages = self.full_to_swa_page[pages]
         self._unmap(pages[swa_pages != 0])
         self._full.give_back(pages)
@@ -227,8 +234,10 @@ class SWATokenAllocator:
         pages, slots = self._full_pages_of(full_locs, "rollback")
         idle = ~self._full.used[pages]
         if bool(idle.any()):
-            raise KVSlotError(f"rollback: full slots {_first(self._slots_in(slots, pages[idle]))} are not allocated "
-                              "(double free or never allocated)")
+            raise KVSlotError(
+                f"rollback: full slots {_first(self._slots_in(slots, pages[idle]))} are not allocated "
+                "(double free or never allocated)"
+            )
         ps = self.page_size
         page_of, offset = slots // ps, slots % ps
         fill = self.page_fill[pages]
@@ -239,9 +248,11 @@ class SWATokenAllocator:
         highest = torch.full_like(self.page_fill, -1).scatter_reduce_(0, page_of, offset, reduce="amax")[pages]
         bad = (highest != fill - 1) | (count != fill - lowest)
         if bool(bad.any()):
-            raise KVSlotError(f"rollback: full slots {_first(self._slots_in(slots, pages[bad]))} are not the trailing "
-                              f"handed-out slots of their page (page_fill {_first(fill[bad])}): only a request's "
-                              "last slots can be rolled back")
+            raise KVSlotError(
+                f"rollback: full slots {_first(self._slots_in(slots, pages[bad]))} are not the trailing "
+                f"handed-out slots of their page (page_fill {_first(fill[bad])}): only a request's "
+                "last slots can be rolled back"
+            )
         emptied = pages[lowest == 0]
         kept = pages[lowest != 0]
         self.page_fill[kept] = lowest[lowest != 0]
@@ -260,8 +271,10 @@ class SWATokenAllocator:
         pages, slots = self._full_pages_of(full_locs, "free_swa")
         unmapped = self.full_to_swa_page[pages] == 0
         if bool(unmapped.any()):
-            raise KVSlotError(f"free_swa: full slots {_first(self._slots_in(slots, pages[unmapped]))} have no live "
-                              "SWA slot (double free, already evicted or never allocated)")
+            raise KVSlotError(
+                f"free_swa: full slots {_first(self._slots_in(slots, pages[unmapped]))} have no live "
+                "SWA slot (double free, already evicted or never allocated)"
+            )
         self._unmap(pages)
 
     def evict_out_of_window(self, rows: ReqToTokenPool, req_row: int, seq_len: int, window: int) -> int:
@@ -295,9 +308,11 @@ class SWATokenAllocator:
         live[live.clone()] = self._full.used[held[live] // ps]
         if not bool(live.all()):
             length = frontier + int((~live).to(torch.int8).argmax())
-            raise KVSlotError(f"evict_out_of_window: seq_len={seq_len} is beyond what row {req_row} holds: it holds "
-                              f"{length} positions (req_to_token[{req_row}, {length}] = {int(held[length - frontier])} "
-                              "is not a live full slot); evicting for it would free SWA slots the request still needs")
+            raise KVSlotError(
+                f"evict_out_of_window: seq_len={seq_len} is beyond what row {req_row} holds: it holds "
+                f"{length} positions (req_to_token[{req_row}, {length}] = {int(held[length - frontier])} "
+                "is not a live full slot); evicting for it would free SWA slots the request still needs"
+            )
         if limit <= frontier:
             return 0
         self.free_swa(held[: limit - frontier : ps])  # one slot per page
@@ -326,8 +341,10 @@ class SWATokenAllocator:
         fill, used = self.page_fill, self._full.used
         wrong = torch.nonzero(torch.where(used, (fill < 1) | (fill > self.page_size), fill != 0)).flatten()
         if wrong.numel():
-            raise InvariantViolation(f"full pages {_first(wrong)} have page_fill {_first(fill[wrong])}: a used page "
-                                     f"has 1..{self.page_size} slots handed out, a free page 0")
+            raise InvariantViolation(
+                f"full pages {_first(wrong)} have page_fill {_first(fill[wrong])}: a used page "
+                f"has 1..{self.page_size} slots handed out, a free page 0"
+            )
         f2s, s2f = self.full_to_swa_page, self.swa_to_full_page
         if int(f2s[0]) or int(s2f[0]):
             raise InvariantViolation("page 0 is part of the full -> SWA page mapping")
@@ -340,12 +357,14 @@ class SWATokenAllocator:
             raise InvariantViolation(f"two full pages map to one SWA page: {_first(targets)}")
         bad = mapped[s2f[targets] != mapped]
         if bad.numel():
-            raise InvariantViolation(f"full pages {_first(bad)} map to SWA pages {_first(f2s[bad])} "
-                                     "that are not owned by them")
+            raise InvariantViolation(
+                f"full pages {_first(bad)} map to SWA pages {_first(f2s[bad])} that are not owned by them"
+            )
         if not torch.equal(self._swa.used, s2f != 0):
             wrong = torch.nonzero(self._swa.used != (s2f != 0)).flatten()
-            raise InvariantViolation(f"SWA pages {_first(wrong)}: used flag disagrees with ownership "
-                                     "(used but unmapped, or mapped but free)")
+            raise InvariantViolation(
+                f"SWA pages {_first(wrong)}: used flag disagrees with ownership (used but unmapped, or mapped but free)"
+            )
         owners = torch.nonzero(s2f).flatten()
         bad = owners[f2s[s2f[owners]] != owners]
         if bad.numel():
@@ -359,9 +378,11 @@ class SWATokenAllocator:
         expected[self._page_slots(mapped)] = self._page_slots(targets)
         if not torch.equal(device_map, expected):
             diff = torch.nonzero(device_map != expected).flatten()
-            raise InvariantViolation(f"device full_to_swa_index_mapping differs from the host state at full slots "
-                                     f"{_first(diff)}: device {_first(device_map[diff])}, "
-                                     f"host {_first(expected[diff])}")
+            raise InvariantViolation(
+                f"device full_to_swa_index_mapping differs from the host state at full slots "
+                f"{_first(diff)}: device {_first(device_map[diff])}, "
+                f"host {_first(expected[diff])}"
+            )
 
     # ------------------------------------------------------------------ internals
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
@@ -405,8 +426,10 @@ class SWATokenAllocator:
         ps = self.page_size
         out = slots[(slots < ps) | (slots >= self.pool.size + ps)]
         if out.numel():
-            raise KVSlotError(f"{what}: full_locs {_first(out)} are outside [{ps}, {self.pool.size + ps}) "
-                              "(-1 is 'no slot' and slot 0 / page 0 the padding sink: neither is ever handed out)")
+            raise KVSlotError(
+                f"{what}: full_locs {_first(out)} are outside [{ps}, {self.pool.size + ps}) "
+                "(-1 is 'no slot' and slot 0 / page 0 the padding sink: neither is ever handed out)"
+            )
         unique_slots, counts = torch.unique(slots, return_counts=True)
         if bool((counts > 1).any()):
             raise KVSlotError(f"{what}: full slots {_first(unique_slots[counts > 1])} are given more than once")
@@ -425,14 +448,17 @@ class SWATokenAllocator:
         empty = prefix == 0
         bad = (empty & (last != -1)) | (~empty & ((last < ps) | (last >= self.pool.size + ps)))
         if bool(bad.any()):
-            raise KVSlotError(f"last_loc must be -1 for an empty prefix and a valid full slot otherwise; "
-                              f"got last_loc={_first(last[bad])} for prefix_lens={_first(prefix[bad])}")
+            raise KVSlotError(
+                f"last_loc must be -1 for an empty prefix and a valid full slot otherwise; "
+                f"got last_loc={_first(last[bad])} for prefix_lens={_first(prefix[bad])}"
+            )
         held = ~empty
         pages = last[held] // ps
         bad = last[held][~self._full.used[pages] | (last[held] % ps != (prefix[held] - 1) % ps)]
         if bad.numel():
-            raise KVSlotError(f"last_loc {_first(bad)} are not allocated or not at the page offset of their "
-                              "position prefix_lens - 1")
+            raise KVSlotError(
+                f"last_loc {_first(bad)} are not allocated or not at the page offset of their position prefix_lens - 1"
+            )
         fills = held & (prefix % ps != 0) & (seq > prefix)  # new tokens go into last_loc's page
         filled = last[fills]
         pages = filled // ps
@@ -442,11 +468,15 @@ class SWATokenAllocator:
         frontier = pages * ps + self.page_fill[pages] - 1  # the last handed-out slot of each page
         bad = filled != frontier
         if bool(bad.any()):
-            raise KVSlotError(f"last_loc {_first(filled[bad])} is not the last handed-out slot of its page "
-                              f"(that is {_first(frontier[bad])}): a continuation must start from the request's own "
-                              "last slot, and never hands out a slot twice")
+            raise KVSlotError(
+                f"last_loc {_first(filled[bad])} is not the last handed-out slot of its page "
+                f"(that is {_first(frontier[bad])}): a continuation must start from the request's own "
+                "last slot, and never hands out a slot twice"
+            )
         unique_pages, counts = torch.unique(pages, return_counts=True)
         if bool((counts > 1).any()):
             shared = filled[torch.isin(pages, unique_pages[counts > 1])]
-            raise KVSlotError(f"last_loc {_first(shared)}: several requests continue the same page in one call; "
-                              "a partial page belongs to one request")
+            raise KVSlotError(
+                f"last_loc {_first(shared)}: several requests continue the same page in one call; "
+                "a partial page belongs to one request"
+            )

@@ -28,8 +28,9 @@ def first(values: torch.Tensor) -> str:
     return f"{shown}{more}"
 
 
-def host_int(value: Any, name: str, *, lo: Optional[int] = None, hi: Optional[int] = None,
-             error: type = KVSlotError) -> int:
+def host_int(
+    value: Any, name: str, *, lo: Optional[int] = None, hi: Optional[int] = None, error: type = KVSlotError
+) -> int:
     """``value`` as a Python int in ``[lo, hi]`` (bounds optional, inclusive), else ``error``
     naming ``name`` and the value. Accepts ints and integer scalars (``operator.index``), never
     ``bool``."""

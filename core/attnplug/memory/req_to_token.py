@@ -89,8 +89,10 @@ class ReqToTokenPool:
         ok = inside.clone()
         ok[inside] = in_use[values[inside]] | (allow_padding_row & (values[inside] == 0))
         if not bool(ok.all()):
-            raise KVSlotError(f"{name} holds rows {first(values[~ok])} that are not request rows in use "
-                              f"(freed, never allocated, or outside [1, {self.max_reqs}))")
+            raise KVSlotError(
+                f"{name} holds rows {first(values[~ok])} that are not request rows in use "
+                f"(freed, never allocated, or outside [1, {self.max_reqs}))"
+            )
 
     def swa_evicted_len(self, row: int) -> int:
         """Eviction frontier of ``row`` (host int): positions ``[0, frontier)`` of the row

@@ -78,8 +78,12 @@ class SWAKVPool:
     ) -> None:
         page_size, num_layers, num_kv_heads, head_dim = (
             host_int(value, name, lo=1, error=ValueError)
-            for name, value in (("page_size", page_size), ("num_layers", num_layers),
-                                ("num_kv_heads", num_kv_heads), ("head_dim", head_dim))
+            for name, value in (
+                ("page_size", page_size),
+                ("num_layers", num_layers),
+                ("num_kv_heads", num_kv_heads),
+                ("head_dim", head_dim),
+            )
         )
         for name, value in (("size", size), ("size_swa", size_swa)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % page_size:
@@ -190,9 +194,7 @@ class SWAKVPool:
                 )
         for name, t in (("loc", loc), ("swa_loc", swa_loc)):
             if t is not None and (t.dim() != 1 or t.shape[0] != n or t.dtype not in (torch.int32, torch.int64)):
-                raise KVSlotError(
-                    f"layer {layer_id}: {name} must be [{n}] int32/int64, got {list(t.shape)} {t.dtype}"
-                )
+                raise KVSlotError(f"layer {layer_id}: {name} must be [{n}] int32/int64, got {list(t.shape)} {t.dtype}")
         num_slots = self.num_slots(layer_id)
         checked = [("loc", loc, self.size + self.page_size)]
         if is_swa:
@@ -201,8 +203,10 @@ class SWAKVPool:
             if _values_on_host(t):
                 bad = t[(t < -1) | (t >= limit)]
                 if bad.numel():
-                    raise KVSlotError(f"layer {layer_id}: {name} holds slots {first(bad)} outside [-1, {limit}) "
-                                      "(-1 = no slot, never written; 0 = the padding sink)")
+                    raise KVSlotError(
+                        f"layer {layer_id}: {name} holds slots {first(bad)} outside [-1, {limit}) "
+                        "(-1 = no slot, never written; 0 = the padding sink)"
+                    )
         index = swa_loc if is_swa else loc
         if _values_on_host(index):
             keep = index != -1

@@ -26,8 +26,15 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .records import PluginError
 
-__all__ = ["ENTRY_POINT_GROUP", "CORE_DISTRIBUTION", "Plan", "discover_entry_points", "core_distributions",
-           "normalize", "plan"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "CORE_DISTRIBUTION",
+    "Plan",
+    "discover_entry_points",
+    "core_distributions",
+    "normalize",
+    "plan",
+]
 
 ENTRY_POINT_GROUP = "attnplug.backends"
 #: the distribution whose entry points are the built-in plugins; their names are reserved
@@ -150,8 +157,10 @@ def plan(entry_points: Iterable[Any], core_dists: Iterable[Any] = ()) -> Plan:
                     merged.setdefault(ep.name, ep)
             core = merged
             eps = [merged[name] for name in sorted(merged)]
-            how = (f"the built-in plugins are taken from all of them, each from {ordered[0].describe()} first "
-                   f"(the version of the attnplug package imported here is {running})")
+            how = (
+                f"the built-in plugins are taken from all of them, each from {ordered[0].describe()} first "
+                f"(the version of the attnplug package imported here is {running})"
+            )
         else:
             ordered = copies
             eps = copies[0].entry_points
@@ -159,12 +168,20 @@ def plan(entry_points: Iterable[Any], core_dists: Iterable[Any] = ()) -> Plan:
         chosen += eps
         if len({c.signature() for c in copies}) > 1:
             first = ordered[0]
-            errors.append(PluginError(
-                plugin=first.name or norm, entry_point="", kind="distribution",
-                reason=(f"{len(copies)} copies of distribution {first.name!r} are visible on sys.path "
+            errors.append(
+                PluginError(
+                    plugin=first.name or norm,
+                    entry_point="",
+                    kind="distribution",
+                    reason=(
+                        f"{len(copies)} copies of distribution {first.name!r} are visible on sys.path "
                         f"({'; '.join(c.describe() for c in copies)}) and they differ; {how}. "
-                        "Remove the stale copy."),
-                distribution=first.name, version=first.version))
+                        "Remove the stale copy."
+                    ),
+                    distribution=first.name,
+                    version=first.version,
+                )
+            )
     if not core:
         return Plan(chosen, core, errors)
     owner = next(iter(core.values()))
@@ -175,12 +192,20 @@ def plan(entry_points: Iterable[Any], core_dists: Iterable[Any] = ()) -> Plan:
         if ep.name in core and normalize(name) != CORE_DISTRIBUTION:
             version = getattr(dist, "version", None)
             source = f"{name} {version}" if name and version else (name or "a distribution without a name")
-            errors.append(PluginError(
-                plugin=ep.name, entry_point=ep.value, kind="reserved",
-                reason=(f"the entry-point name {ep.name!r} is reserved for attnplug's built-in plugin "
+            errors.append(
+                PluginError(
+                    plugin=ep.name,
+                    entry_point=ep.value,
+                    kind="reserved",
+                    reason=(
+                        f"the entry-point name {ep.name!r} is reserved for attnplug's built-in plugin "
                         f"({CORE_DISTRIBUTION} {getattr(owner.dist, 'version', None)}, entry point "
-                        f"{core[ep.name].value!r}); this entry point of {source} is refused and not imported"),
-                distribution=name, version=version))
+                        f"{core[ep.name].value!r}); this entry point of {source} is refused and not imported"
+                    ),
+                    distribution=name,
+                    version=version,
+                )
+            )
             continue
         kept.append(ep)
     return Plan(kept, core, errors)

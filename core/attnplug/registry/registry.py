@@ -130,8 +130,10 @@ class _Source:
                 pass
         malformed = None
         if not isinstance(ep.value, str) or not _ENTRY_POINT_VALUE_RE.match(ep.value):
-            malformed = (f"entry point {ep.name} = {ep.value!r} is malformed: expected 'module' or "
-                         "'module:attribute' (dotted Python names)")
+            malformed = (
+                f"entry point {ep.name} = {ep.value!r} is malformed: expected 'module' or "
+                "'module:attribute' (dotted Python names)"
+            )
         return cls(ep.name, ep.value, dist_name, dist_version, ep.load, malformed)
 
     @classmethod
@@ -182,8 +184,9 @@ class Registry:
     thread waiting for a slow probe delays no thread that needs another backend.
     """
 
-    def __init__(self, records: Sequence[BackendRecord], errors: Sequence[PluginError],
-                 allow: Optional[Tuple[str, ...]] = None) -> None:
+    def __init__(
+        self, records: Sequence[BackendRecord], errors: Sequence[PluginError], allow: Optional[Tuple[str, ...]] = None
+    ) -> None:
         self._records: Dict[str, BackendRecord] = {r.name: r for r in records}
         self._errors: Tuple[PluginError, ...] = tuple(errors)
         self.allow = allow
@@ -208,8 +211,15 @@ class Registry:
         return tuple(self._records)
 
     # ------------------------------------------------------------------ probing / resolving
-    def _timed(self, kind: str, name: str, cache: Dict[str, Any], fn: Callable[[], Any], what: str,
-               verdict: Callable[[Optional[Any], Optional[float]], Any]) -> Any:
+    def _timed(
+        self,
+        kind: str,
+        name: str,
+        cache: Dict[str, Any],
+        fn: Callable[[], Any],
+        what: str,
+        verdict: Callable[[Optional[Any], Optional[float]], Any],
+    ) -> Any:
         """Run ``fn`` once per (kind, name) in its own thread under the time limit; every caller
         waits for the same run without holding a lock; the first verdict is kept.
         ``verdict(outcome, timeout)`` turns the outcome (``None``: timed out) into the result."""
@@ -238,8 +248,9 @@ class Registry:
                 return ProbeResult(False, f"probe raised {outcome.error}")
             return outcome.value
 
-        return self._timed("probe", name, self._probes, lambda: _run_probe(record),
-                           f"the probe of backend {name!r}", verdict)
+        return self._timed(
+            "probe", name, self._probes, lambda: _run_probe(record), f"the probe of backend {name!r}", verdict
+        )
 
     def resolve(self, name: str) -> Tuple[Optional[Type[AttentionBackend]], Optional[str]]:
         """Import the class of backend ``name`` (once): ``(cls, None)`` or ``(None, reason)``.
@@ -248,8 +259,9 @@ class Registry:
         record = self._records[name]
         cached = self._classes.get(name)
         if cached is None:  # two threads may both import; the import system serialises them
-            outcome = contained(lambda: _resolve_target(record.target),
-                                f"the import of backend {name!r} from {record.target!r}")
+            outcome = contained(
+                lambda: _resolve_target(record.target), f"the import of backend {name!r} from {record.target!r}"
+            )
             found = outcome.value if outcome.ok else (None, f"cannot import {record.target!r}: {outcome.error}")
             with self._state:
                 cached = self._classes.setdefault(name, found)
@@ -266,8 +278,14 @@ class Registry:
                 return None, None, f"reading {cls.__name__}'s class attributes raised {outcome.error}"
             return outcome.value
 
-        return self._timed("describe", name, self._facts, lambda: _class_facts(cls),
-                           f"{cls.__name__}.describe() of backend {name!r}", verdict)
+        return self._timed(
+            "describe",
+            name,
+            self._facts,
+            lambda: _class_facts(cls),
+            f"{cls.__name__}.describe() of backend {name!r}",
+            verdict,
+        )
 
     def _usable(self, name: str) -> Tuple[Optional[Type[AttentionBackend]], str]:
         """``(cls, reason)`` when the probe passes and the class resolves, else ``(None, reason)``."""
@@ -340,15 +358,18 @@ class Registry:
     # ------------------------------------------------------------------ selection
     def _available_names(self, exclude: Optional[str] = None) -> Tuple[str, ...]:
         return tuple(
-            n for n in sorted(self._records, key=lambda n: (-self._records[n].priority, n))
+            n
+            for n in sorted(self._records, key=lambda n: (-self._records[n].priority, n))
             if n != exclude and self._usable(n)[0] is not None
         )
 
     def _select(self, name: str, origin: str) -> Type[AttentionBackend]:
         if name not in self._records:
             # the name's own plugin first (a built-in that was not loaded), then refused claimants
-            related = sorted((e for e in self._errors if name in (e.plugin, e.backend)),
-                             key=lambda e: (e.plugin != name or e.kind == "reserved"))
+            related = sorted(
+                (e for e in self._errors if name in (e.plugin, e.backend)),
+                key=lambda e: e.plugin != name or e.kind == "reserved",
+            )
             if related:
                 error = related[0]
                 alternatives = self._available_names()
@@ -364,8 +385,12 @@ class Registry:
             raise BackendNotFound(
                 f"no backend named {name!r} (selected by {origin}); "
                 f"registered backends: {', '.join(known) or 'none'}"
-                + (f"; plugins that did not load: {', '.join(sorted({e.plugin for e in self._errors}))}"
-                   f" (see `attnplug info`)" if self._errors else ""),
+                + (
+                    f"; plugins that did not load: {', '.join(sorted({e.plugin for e in self._errors}))}"
+                    f" (see `attnplug info`)"
+                    if self._errors
+                    else ""
+                ),
                 name=name,
                 known=known,
             )
@@ -373,8 +398,7 @@ class Registry:
         if cls is None:
             alternatives = self._available_names(exclude=name)
             raise BackendUnavailable(
-                f"backend {name!r} (selected by {origin}) is unavailable: {reason}. "
-                f"{_alternatives_text(alternatives)}",
+                f"backend {name!r} (selected by {origin}) is unavailable: {reason}. {_alternatives_text(alternatives)}",
                 name=name,
                 reason=reason,
                 alternatives=alternatives,
@@ -404,7 +428,8 @@ class Registry:
         lines = [f"  {n}: {self._usable(n)[1]}" for n in self._records]
         lines += [f"  {e.describe_source()}: {e.kind}: {e.reason}" for e in self._errors]
         raise BackendUnavailable(
-            "no attention backend is available" + (":\n" + "\n".join(lines) if lines else " (no plugin registered one)"),
+            "no attention backend is available"
+            + (":\n" + "\n".join(lines) if lines else " (no plugin registered one)"),
             name=None,
             reason="no backend available",
             alternatives=(),
@@ -441,8 +466,9 @@ def _run_probe(record: BackendRecord) -> ProbeResult:
     elif isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[0], bool) and isinstance(raw[1], str):
         (available, reason), device = raw, None
     else:
-        return ProbeResult(False, f"probe returned {_short_repr(raw)}; expected a ProbeResult or "
-                                  "(available: bool, reason: str)")
+        return ProbeResult(
+            False, f"probe returned {_short_repr(raw)}; expected a ProbeResult or (available: bool, reason: str)"
+        )
     if not isinstance(available, bool):
         return ProbeResult(False, f"probe returned available={_short_repr(available)}; expected a bool")
     if not isinstance(reason, str):
@@ -527,7 +553,9 @@ class _Registration:
             raise RuntimeError("register() was called after the attnplug_register_backends hook returned")
         # exact types: the values are kept and compared long after the plugin's code returned
         if type(name) is not str or not _NAME_RE.match(name):
-            raise ValueError(f"register(name={name!r}): a backend name is a non-empty string of letters, digits, '_', '.', '-'")
+            raise ValueError(
+                f"register(name={name!r}): a backend name is a non-empty string of letters, digits, '_', '.', '-'"
+            )
         if type(backend) is not str or not _TARGET_RE.match(backend):
             raise ValueError(f"register(name={name!r}, backend={backend!r}): backend must be a 'module:Class' string")
         if not callable(probe):
@@ -581,7 +609,9 @@ def load_registry(
     else:
         loading = plan(list(entry_points))
     errors: List[PluginError] = list(loading.errors)
-    sources = [_Source.from_entry_point(ep) for ep in loading.entry_points] + [_Source.from_object(p) for p in extra_plugins]
+    sources = [_Source.from_entry_point(ep) for ep in loading.entry_points] + [
+        _Source.from_object(p) for p in extra_plugins
+    ]
 
     loaded: List[Tuple[str, _Source, Any]] = []  # (pluggy name, source, plugin object)
     taken_pm_names: set = set()
@@ -643,7 +673,9 @@ def load_registry(
             errors.append(source.error("hook", f"{_HOOK} raised {called.error}"))
             continue
         if not registration.records:
-            errors.append(source.error("invalid", f"registered no backend (no {_HOOK} hookimpl, or it never called register)"))
+            errors.append(
+                source.error("invalid", f"registered no backend (no {_HOOK} hookimpl, or it never called register)")
+            )
             continue
         for record in registration.records:
             claims.setdefault(record.name, []).append((source, record))
@@ -664,8 +696,9 @@ def _api_version_problem(declared: Any) -> Optional[str]:
     return None
 
 
-def _settle_names(claims: Dict[str, List[Tuple[_Source, BackendRecord]]],
-                  core_entry_points: Dict[str, Any]) -> Tuple[List[BackendRecord], List[PluginError]]:
+def _settle_names(
+    claims: Dict[str, List[Tuple[_Source, BackendRecord]]], core_entry_points: Dict[str, Any]
+) -> Tuple[List[BackendRecord], List[PluginError]]:
     """Who keeps each registered backend name, whatever the loading order.
 
     * A name registered by a plugin of the attnplug distribution, or equal to one of its
@@ -685,24 +718,32 @@ def _settle_names(claims: Dict[str, List[Tuple[_Source, BackendRecord]]],
                 owner = f"{_owner(core[0][1])} registers it as {core[0][1].target!r}"
             else:
                 ep = core_entry_points[name]
-                owner = (f"it is the name of the built-in entry point {name} = {ep.value!r} of "
-                         f"{CORE_DISTRIBUTION} {getattr(getattr(ep, 'dist', None), 'version', '')}".rstrip())
+                owner = (
+                    f"it is the name of the built-in entry point {name} = {ep.value!r} of "
+                    f"{CORE_DISTRIBUTION} {getattr(getattr(ep, 'dist', None), 'version', '')}".rstrip()
+                )
             for source, record in core[1:] + others:
-                errors.append(source.error(
-                    "reserved",
-                    f"backend name {name!r} belongs to {CORE_DISTRIBUTION} ({owner}); this registration by "
-                    f"{_owner(record)} as {record.target!r} is refused",
-                    backend=name))
+                errors.append(
+                    source.error(
+                        "reserved",
+                        f"backend name {name!r} belongs to {CORE_DISTRIBUTION} ({owner}); this registration by "
+                        f"{_owner(record)} as {record.target!r} is refused",
+                        backend=name,
+                    )
+                )
         elif len(others) == 1:
             records.append(others[0][1])
         else:
             everyone = "; ".join(f"{_owner(r)} as {r.target!r}" for _, r in others)
             for source, _record in others:
-                errors.append(source.error(
-                    "duplicate",
-                    f"backend name {name!r} is registered by several plugins ({everyone}); none of them gets it. "
-                    f"Uninstall all but one, or load one with {env.PLUGINS.name}",
-                    backend=name))
+                errors.append(
+                    source.error(
+                        "duplicate",
+                        f"backend name {name!r} is registered by several plugins ({everyone}); none of them gets it. "
+                        f"Uninstall all but one, or load one with {env.PLUGINS.name}",
+                        backend=name,
+                    )
+                )
     return records, errors
 
 
@@ -719,8 +760,10 @@ def _process_registry(api: str) -> Registry:
     if registry is None:
         with _LOCK:
             if _BUILDING == threading.get_ident():  # re-entered from the loading thread
-                raise RegistryError(f"attnplug.{api}() was called while this thread is loading the plugins; "
-                                    "call it once loading has finished")
+                raise RegistryError(
+                    f"attnplug.{api}() was called while this thread is loading the plugins; "
+                    "call it once loading has finished"
+                )
             if _REGISTRY is None:
                 _BUILDING = threading.get_ident()
                 try:

@@ -59,15 +59,24 @@ def plugin_names(name: str) -> PluginNames:
     """Validate ``name`` (lowercase letters, digits and ``_``, starting with a letter, at most
     40 characters; not a name the attnplug distribution registers) and derive the rest."""
     if not isinstance(name, str) or not _NAME.match(name) or keyword.iskeyword(name):
-        raise ScaffoldError(f"NAME must be lowercase letters, digits and '_', starting with a letter "
-                            f"(at most 40 characters), got {name!r}")
+        raise ScaffoldError(
+            f"NAME must be lowercase letters, digits and '_', starting with a letter "
+            f"(at most 40 characters), got {name!r}"
+        )
     reserved = _reserved_names()
     if name in reserved:
-        raise ScaffoldError(f"NAME {name!r} is registered by the attnplug distribution itself "
-                            f"({', '.join(sorted(reserved))}); choose another")
+        raise ScaffoldError(
+            f"NAME {name!r} is registered by the attnplug distribution itself "
+            f"({', '.join(sorted(reserved))}); choose another"
+        )
     camel = "".join(part.capitalize() for part in name.split("_") if part)
-    return PluginNames(name=name, package=f"attnplug_{name}", distribution=f"attnplug-{name.replace('_', '-')}",
-                       backend_class=f"{camel}Backend", device_class=f"{camel}Device")
+    return PluginNames(
+        name=name,
+        package=f"attnplug_{name}",
+        distribution=f"attnplug-{name.replace('_', '-')}",
+        backend_class=f"{camel}Backend",
+        device_class=f"{camel}Device",
+    )
 
 
 def _reserved_names() -> frozenset:
@@ -85,8 +94,13 @@ def _render(template: str, names: PluginNames) -> str:
 
     text = resources.files(__package__).joinpath("templates", template).read_text(encoding="utf-8")
     return string.Template(text).substitute(
-        name=names.name, package=names.package, distribution=names.distribution,
-        backend_class=names.backend_class, device_class=names.device_class, api_version=PLUGIN_API_VERSION)
+        name=names.name,
+        package=names.package,
+        distribution=names.distribution,
+        backend_class=names.backend_class,
+        device_class=names.device_class,
+        api_version=PLUGIN_API_VERSION,
+    )
 
 
 def write_plugin(name: str, directory: Optional[Path] = None) -> List[Path]:

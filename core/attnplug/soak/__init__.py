@@ -14,8 +14,20 @@ from .report import ModeFigures, SoakFailure, SoakReport
 from .selection import SoakSelectionError, resolve_backend
 from .simulation import Soak, SoakSetupError
 
-__all__ = ["run_soak", "SoakConfig", "SoakReport", "SoakFailure", "ModeFigures", "Soak", "SoakSetupError",
-           "SoakSelectionError", "resolve_backend", "DEFAULT_TOLERANCE", "DTYPES", "command_line"]
+__all__ = [
+    "run_soak",
+    "SoakConfig",
+    "SoakReport",
+    "SoakFailure",
+    "ModeFigures",
+    "Soak",
+    "SoakSetupError",
+    "SoakSelectionError",
+    "resolve_backend",
+    "DEFAULT_TOLERANCE",
+    "DTYPES",
+    "command_line",
+]
 
 
 def run_soak(config: SoakConfig, *, backend_cls=None, log: Optional[Callable[[str], None]] = print) -> SoakReport:

@@ -90,9 +90,22 @@ class SoakConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first field that cannot run."""
-        positive = ("steps", "page_size", "num_layers", "num_heads", "num_kv_heads", "sliding_window", "max_running",
-                    "max_prompt", "max_chunk", "max_context", "draft_tokens", "alt_draft_tokens", "kv_check_every",
-                    "threads")
+        positive = (
+            "steps",
+            "page_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "sliding_window",
+            "max_running",
+            "max_prompt",
+            "max_chunk",
+            "max_context",
+            "draft_tokens",
+            "alt_draft_tokens",
+            "kv_check_every",
+            "threads",
+        )
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -100,22 +113,28 @@ class SoakConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.max_prompt + 2 * self.draft_tokens + 2 > self.max_context:
-            raise ValueError(f"max_context={self.max_context} must exceed max_prompt + 2 * draft_tokens + 1 = "
-                             f"{self.max_prompt + 2 * self.draft_tokens + 1}")
+            raise ValueError(
+                f"max_context={self.max_context} must exceed max_prompt + 2 * draft_tokens + 1 = "
+                f"{self.max_prompt + 2 * self.draft_tokens + 1}"
+            )
         if self.alt_draft_tokens == self.draft_tokens:
-            raise ValueError(f"alt_draft_tokens must differ from draft_tokens={self.draft_tokens} "
-                             "(it exercises the eager fallback of uncaptured verify shapes)")
+            raise ValueError(
+                f"alt_draft_tokens must differ from draft_tokens={self.draft_tokens} "
+                "(it exercises the eager fallback of uncaptured verify shapes)"
+            )
         if not self.buckets or any(b < 1 for b in self.buckets):
             raise ValueError(f"buckets must be sizes >= 1, got {self.buckets}")
         if self.poison not in ("nan", "none"):
             raise ValueError(f"poison must be 'nan' or 'none', got {self.poison!r}")
         size, swa = self.sizes()
         need_full = _round_up(self.max_context + self.page_size, self.page_size)
-        need_swa = _round_up(self.sliding_window + self.max_chunk + self.draft_tokens + 2 * self.page_size,
-                             self.page_size)
+        need_swa = _round_up(
+            self.sliding_window + self.max_chunk + self.draft_tokens + 2 * self.page_size, self.page_size
+        )
         if size < need_full:
-            raise ValueError(f"pool_size={size} cannot hold one request of max_context={self.max_context} "
-                             f"(needs >= {need_full})")
+            raise ValueError(
+                f"pool_size={size} cannot hold one request of max_context={self.max_context} (needs >= {need_full})"
+            )
         if swa < need_swa:
             raise ValueError(f"swa_pool_size={swa} cannot hold one request's window and chunk (needs >= {need_swa})")
 
@@ -129,7 +148,15 @@ class SoakConfig:
 
 
 #: fields never repeated on a reproducing command line (derived, or not affecting results)
-_NOT_REPEATED = ("progress_every", "threads", "stop_on_failure", "swa_layer_ids", "pool_slots", "swa_pool_slots", "steps")
+_NOT_REPEATED = (
+    "progress_every",
+    "threads",
+    "stop_on_failure",
+    "swa_layer_ids",
+    "pool_slots",
+    "swa_pool_slots",
+    "steps",
+)
 
 
 def command_line(config: dict, steps: int) -> str:

@@ -32,8 +32,8 @@ class History:
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Record positions ``start .. start + n - 1``; ``k``/``v``: ``[n, L, Hkv, D]`` float64 CPU."""
         n = k.shape[0]
-        self.k[:, start:start + n] = k.transpose(0, 1)
-        self.v[:, start:start + n] = v.transpose(0, 1)
+        self.k[:, start : start + n] = k.transpose(0, 1)
+        self.v[:, start : start + n] = v.transpose(0, 1)
 
 
 def stack_histories(histories: Sequence[History], length: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -42,8 +42,15 @@ def stack_histories(histories: Sequence[History], length: int) -> Tuple[torch.Te
     return (torch.stack([h.k[:, :length] for h in histories]), torch.stack([h.v[:, :length] for h in histories]))
 
 
-def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: Sequence[int],
-                    new_tokens: Sequence[int], window: Optional[int], scaling: float) -> torch.Tensor:
+def exact_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seq_lens: Sequence[int],
+    new_tokens: Sequence[int],
+    window: Optional[int],
+    scaling: float,
+) -> torch.Tensor:
     """Exact output of one layer for every new token of one step.
 
     ``q``: ``[T, H, D]`` float64 (the step's queries, request by request); ``keys`` /

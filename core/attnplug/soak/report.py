@@ -26,8 +26,10 @@ class SoakFailure:
     batch: str  # requests, new tokens and lengths of the step
 
     def describe(self) -> str:
-        return (f"seed {self.seed}, step {self.step}, mode {self.mode} ({self.path}), check {self.check}: "
-                f"{self.message} [batch: {self.batch}]")
+        return (
+            f"seed {self.seed}, step {self.step}, mode {self.mode} ({self.path}), check {self.check}: "
+            f"{self.message} [batch: {self.batch}]"
+        )
 
 
 @dataclass
@@ -114,8 +116,10 @@ class SoakReport:
 
         console = console or Console()
         cfg = self.config
-        title = (f"attnplug soak: {self.backend} on {self.device}, {self.dtype}, page_size {cfg['page_size']}, "
-                 f"seed {cfg['seed']}, graphs {self.graph_kind}, PDL {_yes_no(self.pdl)}")
+        title = (
+            f"attnplug soak: {self.backend} on {self.device}, {self.dtype}, page_size {cfg['page_size']}, "
+            f"seed {cfg['seed']}, graphs {self.graph_kind}, PDL {_yes_no(self.pdl)}"
+        )
         console.print(Text(title, style="bold"))
         table = Table()
         table.add_column("figure")
@@ -123,8 +127,10 @@ class SoakReport:
         rate = f"{self.steps / self.wall_s:,.0f}/s" if self.wall_s else "-"
         rows = [
             ("steps", f"{self.steps:,} ({rate}, {self.wall_s:.1f} s)"),
-            ("requests arrived / finished / retracted",
-             f"{self.requests_arrived:,} / {self.requests_finished:,} / {self.requests_retracted:,}"),
+            (
+                "requests arrived / finished / retracted",
+                f"{self.requests_arrived:,} / {self.requests_finished:,} / {self.requests_retracted:,}",
+            ),
             ("tokens attended / drafts rolled back", f"{self.tokens:,} / {self.tokens_rolled_back:,}"),
             ("graph replays / eager steps", f"{self.replays:,} / {self.eager_steps:,}"),
             ("OutOfKVSlots handled / request rows full", f"{self.out_of_kv_slots:,} / {self.out_of_req_rows:,}"),
@@ -143,12 +149,13 @@ class SoakReport:
         for column in ("mode", "steps", "replays", "eager", "tokens", "max rel. error"):
             modes.add_column(column, justify="right" if column != "mode" else "left")
         for name, m in sorted(self.modes.items()):
-            modes.add_row(name, f"{m.steps:,}", f"{m.replays:,}", f"{m.eager:,}", f"{m.tokens:,}",
-                          f"{m.max_error:.2e}")
+            modes.add_row(name, f"{m.steps:,}", f"{m.replays:,}", f"{m.eager:,}", f"{m.tokens:,}", f"{m.max_error:.2e}")
         console.print(modes)
         if self.first_failure is not None:
-            console.print(Text(f"FAILED ({self.failures} failure(s)); first: {self.first_failure.describe()}",
-                               style="red"), soft_wrap=True)
+            console.print(
+                Text(f"FAILED ({self.failures} failure(s)); first: {self.first_failure.describe()}", style="red"),
+                soft_wrap=True,
+            )
             console.print(Text(f"reproduce: {self.reproduce_command()}"), soft_wrap=True)
         else:
             console.print(Text(f"OK: {self.steps:,} steps, 0 failures, data lost: 0", style="green"))

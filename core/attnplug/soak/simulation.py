@@ -86,8 +86,14 @@ class _StepFailed(Exception):
 class Soak:
     """One soak run over ``backend_cls`` on ``device`` (see module docstring)."""
 
-    def __init__(self, config: SoakConfig, backend_cls: Type[AttentionBackend], device: torch.device,
-                 *, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        config: SoakConfig,
+        backend_cls: Type[AttentionBackend],
+        device: torch.device,
+        *,
+        log: Callable[[str], None] = print,
+    ) -> None:
         config.check()
         self.cfg = cfg = config
         self.log = log
@@ -97,8 +103,17 @@ class Soak:
         self.tol = cfg.tolerance if cfg.tolerance is not None else DEFAULT_TOLERANCE[self.dtype]
         size, size_swa = cfg.sizes()
         self.swa_layers = frozenset(cfg.swa_layer_ids())
-        self.pool = SWAKVPool(size, size_swa, cfg.num_layers, self.swa_layers, cfg.num_kv_heads, self.head_dim,
-                              self.dtype, device, page_size=cfg.page_size)
+        self.pool = SWAKVPool(
+            size,
+            size_swa,
+            cfg.num_layers,
+            self.swa_layers,
+            cfg.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            device,
+            page_size=cfg.page_size,
+        )
         self.device = self.pool.device
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(cfg.max_running + 1, cfg.max_context, self.device)
@@ -118,20 +133,31 @@ class Soak:
             if max(cfg.buckets) > cfg.max_running:
                 raise SoakSetupError(f"buckets {cfg.buckets} exceed max_running={cfg.max_running}")
             L, H, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, self.head_dim
-            self.runner = GraphRunner(self.backend, self._model_step, max_bs=max(cfg.buckets),
-                                      inputs={"q": ((L, H, D), self.dtype), "k": ((L, Hkv, D), self.dtype),
-                                              "v": ((L, Hkv, D), self.dtype)},
-                                      num_draft_tokens=cfg.draft_tokens, bucket_sizes=cfg.buckets)
+            self.runner = GraphRunner(
+                self.backend,
+                self._model_step,
+                max_bs=max(cfg.buckets),
+                inputs={"q": ((L, H, D), self.dtype), "k": ((L, Hkv, D), self.dtype), "v": ((L, Hkv, D), self.dtype)},
+                num_draft_tokens=cfg.draft_tokens,
+                bucket_sizes=cfg.buckets,
+            )
             graph_kind = "eager stand-in" if isinstance(backend_cls.new_graph(), EagerGraph) else "device graphs"
 
         import attnplug
 
         cfg_json = cfg.to_json()
         cfg_json.update(dtype=dtype_name(self.dtype), head_dim=self.head_dim, graphs=self.graphs)
-        self.report = SoakReport(backend=cfg.backend, device=str(self.device), dtype=dtype_name(self.dtype),
-                                 pdl=caps.pdl, graphs=self.graphs, graph_kind=graph_kind, tolerance=self.tol,
-                                 config=cfg_json,
-                                 versions={"attnplug": attnplug.__version__, "torch": torch.__version__})
+        self.report = SoakReport(
+            backend=cfg.backend,
+            device=str(self.device),
+            dtype=dtype_name(self.dtype),
+            pdl=caps.pdl,
+            graphs=self.graphs,
+            graph_kind=graph_kind,
+            tolerance=self.tol,
+            config=cfg_json,
+            versions={"attnplug": attnplug.__version__, "torch": torch.__version__},
+        )
         self.waiting: List[_Request] = []
         self.running: List[_Request] = []
         self._next_rid = 0
@@ -151,17 +177,21 @@ class Soak:
             rows = ReqToTokenPool(2, 1, pool.device)
             caps = backend_cls(pool, rows, num_heads=cfg.num_heads, sliding_window=cfg.sliding_window).capabilities()
         except Exception as exc:
-            raise SoakSetupError(f"cannot build backend {backend_cls.name!r} on {device} with dtype "
-                                 f"{dtype_name(probe_dtype)}, head_dim {probe_dim}: {type(exc).__name__}: {exc} "
-                                 "(choose --dtype / --head-dim / --device)") from exc
+            raise SoakSetupError(
+                f"cannot build backend {backend_cls.name!r} on {device} with dtype "
+                f"{dtype_name(probe_dtype)}, head_dim {probe_dim}: {type(exc).__name__}: {exc} "
+                "(choose --dtype / --head-dim / --device)"
+            ) from exc
         dtype = cfg.dtype or (torch.float16 if torch.float16 in caps.dtypes else caps.dtypes[0])
         head_dim = cfg.head_dim or min(caps.head_dims)
         return dtype, head_dim
 
     def _check_supported(self, caps) -> None:
-        for option, value, supported in (("--dtype", self.dtype, caps.dtypes),
-                                         ("--head-dim", self.head_dim, caps.head_dims),
-                                         ("--page-size", self.cfg.page_size, caps.page_sizes)):
+        for option, value, supported in (
+            ("--dtype", self.dtype, caps.dtypes),
+            ("--head-dim", self.head_dim, caps.head_dims),
+            ("--page-size", self.cfg.page_size, caps.page_sizes),
+        ):
             if value not in supported:
                 shown = [dtype_name(s) if isinstance(s, torch.dtype) else s for s in supported]
                 value = dtype_name(value) if isinstance(value, torch.dtype) else value
@@ -169,8 +199,10 @@ class Soak:
 
     def _model_step(self, batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Every layer's attention of one step, stacked to ``[T, L, H, D]``."""
-        outs = [self.backend.forward(inputs["q"][:, l], inputs["k"][:, l], inputs["v"][:, l], l, batch)
-                for l in range(self.cfg.num_layers)]
+        outs = [
+            self.backend.forward(inputs["q"][:, l], inputs["k"][:, l], inputs["v"][:, l], l, batch)
+            for l in range(self.cfg.num_layers)
+        ]
         return torch.stack(outs, dim=1)
 
     # ------------------------------------------------------------------ run
@@ -185,9 +217,11 @@ class Soak:
             now = time.perf_counter()
             if cfg.progress_every and now - last_log >= cfg.progress_every:
                 last_log = now
-                self.log(f"step {index + 1:,}/{cfg.steps:,}: {rep.requests_finished:,} requests finished, "
-                         f"{rep.replays:,} replays, {rep.eager_steps:,} eager, max err {rep.max_error:.2e}, "
-                         f"failures {rep.failures}, {(index + 1) / (now - start):,.0f} steps/s")
+                self.log(
+                    f"step {index + 1:,}/{cfg.steps:,}: {rep.requests_finished:,} requests finished, "
+                    f"{rep.replays:,} replays, {rep.eager_steps:,} eager, max err {rep.max_error:.2e}, "
+                    f"failures {rep.failures}, {(index + 1) / (now - start):,.0f} steps/s"
+                )
             if rep.failures and cfg.stop_on_failure:
                 break
         rep.wall_s = time.perf_counter() - start
@@ -223,8 +257,9 @@ class Soak:
             attempt = self._attempt or (None, [], [])
         mode = attempt[0].name if attempt[0] is not None else "-"
         batch = ", ".join(f"request {r.rid} +{n}" for r, n in zip(attempt[1], attempt[2])) or "no requests"
-        return SoakFailure(seed=self.cfg.seed, step=index, mode=mode, path=path, check=check, message=message,
-                           batch=batch)
+        return SoakFailure(
+            seed=self.cfg.seed, step=index, mode=mode, path=path, check=check, message=message, batch=batch
+        )
 
     # ------------------------------------------------------------------ scheduling
     def _arrivals(self) -> None:
@@ -234,8 +269,14 @@ class Soak:
                 prompt = rng.randint(1, cfg.max_prompt)
                 longest = cfg.max_context - max(cfg.draft_tokens, cfg.alt_draft_tokens)
                 target = rng.randint(prompt + 1, longest)
-                self.waiting.append(_Request(self._next_rid, prompt, target, History(
-                    cfg.num_layers, cfg.max_context, cfg.num_kv_heads, self.head_dim)))
+                self.waiting.append(
+                    _Request(
+                        self._next_rid,
+                        prompt,
+                        target,
+                        History(cfg.num_layers, cfg.max_context, cfg.num_kv_heads, self.head_dim),
+                    )
+                )
                 self._next_rid += 1
                 self.report.requests_arrived += 1
 
@@ -314,8 +355,9 @@ class Soak:
             return self.alloc.alloc(sum(new))
         return self.alloc.alloc_extend([r.seq_len for r in reqs], seq, last)
 
-    def _build(self, mode: ForwardMode, reqs: List[_Request], new: List[int],
-               locs: Optional[torch.Tensor] = None) -> _Planned:
+    def _build(
+        self, mode: ForwardMode, reqs: List[_Request], new: List[int], locs: Optional[torch.Tensor] = None
+    ) -> _Planned:
         cfg, dev = self.cfg, self.device
         T = sum(new)
         locs_host = locs.cpu().tolist() if locs is not None else []
@@ -325,13 +367,15 @@ class Soak:
             self._ever_used[fresh] = True
         offset, positions = 0, []
         for r, n in zip(reqs, new):
-            self.rows.req_to_token[r.row, r.seq_len:r.seq_len + n] = locs[offset:offset + n].to(torch.int32)
+            self.rows.req_to_token[r.row, r.seq_len : r.seq_len + n] = locs[offset : offset + n].to(torch.int32)
             positions.extend(range(r.seq_len, r.seq_len + n))
             offset += n
         seq_after = [r.seq_len + n for r, n in zip(reqs, new)]
         L, H, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, self.head_dim
-        host = {name: torch.randn(T, L, heads, D, generator=self.gen).to(self.dtype)
-                for name, heads in (("q", H), ("k", Hkv), ("v", Hkv))}
+        host = {
+            name: torch.randn(T, L, heads, D, generator=self.gen).to(self.dtype)
+            for name, heads in (("q", H), ("k", Hkv), ("v", Hkv))
+        }
         inputs = {name: t.to(dev) for name, t in host.items()}
         host = {name: t.to(torch.float64) for name, t in host.items()}
 
@@ -398,8 +442,8 @@ class Soak:
         """Record the step's tokens: their slots and their k/v (each request's history)."""
         offset = 0
         for r, n in zip(planned.reqs, planned.new):
-            r.history.write(r.seq_len, planned.host["k"][offset:offset + n], planned.host["v"][offset:offset + n])
-            r.slots.extend(planned.locs[offset:offset + n])
+            r.history.write(r.seq_len, planned.host["k"][offset : offset + n], planned.host["v"][offset : offset + n])
+            r.slots.extend(planned.locs[offset : offset + n])
             offset += n
 
     def _check_attention(self, planned: _Planned, output: torch.Tensor) -> None:
@@ -415,8 +459,15 @@ class Soak:
         token_pos = [p for r, n in zip(planned.reqs, planned.new) for p in range(r.seq_len - n, r.seq_len)]
         for layer in range(self.cfg.num_layers):
             window = self.cfg.sliding_window if layer in self.swa_layers else None
-            expected = exact_attention(planned.host["q"][:, layer], keys[:, layer], values[:, layer], seq_after,
-                                       planned.new, window, self.scaling)
+            expected = exact_attention(
+                planned.host["q"][:, layer],
+                keys[:, layer],
+                values[:, layer],
+                seq_after,
+                planned.new,
+                window,
+                self.scaling,
+            )
             errors = relative_errors(output[:, layer], expected)
             worst = int(errors.argmax())
             err = float(errors[worst])
@@ -425,8 +476,10 @@ class Soak:
             if not err <= self.tol:
                 kind = "SWA" if window else "full"
                 what = "non-finite output" if math.isinf(err) else f"relative error {err:.3e} > {self.tol:.1e}"
-                raise _StepFailed("attention", f"layer {layer} ({kind}): {what} at request {token_req[worst].rid} "
-                                               f"position {token_pos[worst]}")
+                raise _StepFailed(
+                    "attention",
+                    f"layer {layer} ({kind}): {what} at request {token_req[worst].rid} position {token_pos[worst]}",
+                )
 
     def _after_step(self, planned: _Planned) -> None:
         """Roll back rejected drafts, finish requests, evict out-of-window SWA slots."""
@@ -441,8 +494,7 @@ class Soak:
                 rep.requests_finished += 1
         for r in planned.reqs:
             if r in self.running:
-                rep.swa_slots_evicted += self.alloc.evict_out_of_window(self.rows, r.row, r.seq_len,
-                                                                        cfg.sliding_window)
+                rep.swa_slots_evicted += self.alloc.evict_out_of_window(self.rows, r.row, r.seq_len, cfg.sliding_window)
 
     def _accepted_length(self, before: int, after: int) -> int:
         """How many positions a verified request keeps: ``before`` plus the accepted drafts
@@ -507,9 +559,11 @@ class Soak:
         table = self.rows.req_to_token.to("cpu", torch.int64)
         for r, _ in frontiers:
             row = table[r.row]
-            if row[:r.seq_len].tolist() != r.slots or bool(row[r.seq_len:].any()):
-                raise _StepFailed("invariants", f"req_to_token row {r.row} of request {r.rid} differs from the "
-                                                "slots the scheduler wrote")
+            if row[: r.seq_len].tolist() != r.slots or bool(row[r.seq_len :].any()):
+                raise _StepFailed(
+                    "invariants",
+                    f"req_to_token row {r.row} of request {r.rid} differs from the slots the scheduler wrote",
+                )
 
     def _check_kv(self) -> None:
         """Every live KV value equals what its request wrote (bit for bit)."""
@@ -523,8 +577,8 @@ class Soak:
             parts_k, parts_v = [], []
             for r, frontier in frontiers:
                 lo = frontier if is_swa else 0
-                parts_k.append(r.history.k[layer, lo:r.seq_len])
-                parts_v.append(r.history.v[layer, lo:r.seq_len])
+                parts_k.append(r.history.k[layer, lo : r.seq_len])
+                parts_v.append(r.history.v[layer, lo : r.seq_len])
             if not parts_k:
                 continue
             slots = (swa if is_swa else full).to(self.device)

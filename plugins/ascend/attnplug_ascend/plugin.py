@@ -26,8 +26,11 @@ def probe() -> ProbeResult:
         import torch
         import torch_npu  # noqa: F401  (registers torch.npu)
     except (Exception, SystemExit) as exc:  # typically: CANN libraries missing
-        return ProbeResult(False, f"importing torch_npu failed: {type(exc).__name__}: {exc} "
-                                  "(is the CANN toolkit installed and its set_env.sh sourced?)")
+        return ProbeResult(
+            False,
+            f"importing torch_npu failed: {type(exc).__name__}: {exc} "
+            "(is the CANN toolkit installed and its set_env.sh sourced?)",
+        )
     try:
         count = torch.npu.device_count()
     except Exception as exc:

@@ -172,8 +172,9 @@ class CudaBackend(AttentionBackend):
         buffers.add("cu_q_lens", max_bs + 1, **i32)
         buffers.add("window_start", "requests", **i32)
         buffers.add("token_pos", "tokens", **i32)
-        buffers.add("workspace", self._workspace_numel(max_num_tokens, self.num_heads, self.head_dim),
-                    dtype=torch.float32)
+        buffers.add(
+            "workspace", self._workspace_numel(max_num_tokens, self.num_heads, self.head_dim), dtype=torch.float32
+        )
         if self.has_swa:
             # Rows of any captured (bs, q_len) fit: bs * (W + q_len - 1) <= max_bs * W + max_num_tokens.
             buffers.add("swa_window_table", max_bs * self.sliding_window + max_num_tokens, **i32)
@@ -256,8 +257,17 @@ class CudaBackend(AttentionBackend):
             raise RuntimeError("forward() before init_forward_metadata() for this step")
         return t
 
-    def _attend(self, q, k_cache, v_cache, is_swa: bool, batch: ForwardBatch, t: _StepTables,
-                swa_window_table: Optional[torch.Tensor], pdl: bool) -> torch.Tensor:
+    def _attend(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        is_swa: bool,
+        batch: ForwardBatch,
+        t: _StepTables,
+        swa_window_table: Optional[torch.Tensor],
+        pdl: bool,
+    ) -> torch.Tensor:
         """Paged attention of one layer: full layers through ``req_to_token`` rows, SWA
         layers through the window table (only the keys the window reaches)."""
         out = torch.empty_like(q)
@@ -270,10 +280,21 @@ class CudaBackend(AttentionBackend):
             table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
             max_kv, window = self.max_context_len, None
         return self._paged_attention(
-            q, k_cache, v_cache, out,
-            cu_q_lens=t.cu_q_lens, seq_lens=batch.seq_lens, table=table, table_rows=rows, table_start=start,
-            max_q_len=t.max_q_len, max_kv_len=max_kv, sm_scale=self.scaling, window=window,
-            workspace=t.workspace, pdl=pdl,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            cu_q_lens=t.cu_q_lens,
+            seq_lens=batch.seq_lens,
+            table=table,
+            table_rows=rows,
+            table_start=start,
+            max_q_len=t.max_q_len,
+            max_kv_len=max_kv,
+            sm_scale=self.scaling,
+            window=window,
+            workspace=t.workspace,
+            pdl=pdl,
         )
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):

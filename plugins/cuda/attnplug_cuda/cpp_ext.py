@@ -144,9 +144,7 @@ def _prerequisites() -> Tuple[bool, str]:
     if getattr(torch.version, "hip", None):
         return False, f"torch {torch.__version__} is a ROCm build; the kernel is CUDA C++"
     if not getattr(torch.version, "cuda", None):
-        return False, (
-            f"torch {torch.__version__} was built without CUDA (torch.version.cuda is None)"
-        )
+        return False, (f"torch {torch.__version__} was built without CUDA (torch.version.cuda is None)")
     if find_nvcc() is None:
         return False, "nvcc not found (set CUDA_HOME or put the CUDA toolkit's bin on PATH)"
     if shutil.which("ninja") is None:

@@ -86,6 +86,9 @@ class CudaDevice(DevicePart):
         """The PDL rule and the KV store choice, from the environment and the installed tools
         only: no CUDA context is created and nothing is built."""
         store, store_reason = kv_store_choice(build=False)
-        pdl_rule = ("off: ATTNPLUG_DISABLE_PDL is set" if env.pdl_disabled()
-                    else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)")
+        pdl_rule = (
+            "off: ATTNPLUG_DISABLE_PDL is set"
+            if env.pdl_disabled()
+            else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)"
+        )
         return {"pdl_rule": pdl_rule, "kv_store": store, "kv_store_reason": store_reason}

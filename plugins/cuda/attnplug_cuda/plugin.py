@@ -26,19 +26,30 @@ def probe() -> ProbeResult:
         return ProbeResult(False, f"torch {torch.__version__} was built without CUDA")
     count = torch.cuda.device_count()
     if count == 0:
-        return ProbeResult(False, f"no NVIDIA GPU visible (torch {torch.__version__}, CUDA {torch.version.cuda}, "
-                                  "torch.cuda.device_count() == 0; check the driver and CUDA_VISIBLE_DEVICES)")
+        return ProbeResult(
+            False,
+            f"no NVIDIA GPU visible (torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            "torch.cuda.device_count() == 0; check the driver and CUDA_VISIBLE_DEVICES)",
+        )
     try:
         import triton
     except Exception as exc:  # not installed, or broken
-        return ProbeResult(False, f"triton >= {dotted(MIN_TRITON)} is required: import failed: "
-                                  f"{type(exc).__name__}: {exc} (pip install 'attnplug[cuda]')", device=f"{count} GPU(s)")
+        return ProbeResult(
+            False,
+            f"triton >= {dotted(MIN_TRITON)} is required: import failed: "
+            f"{type(exc).__name__}: {exc} (pip install 'attnplug[cuda]')",
+            device=f"{count} GPU(s)",
+        )
     version = getattr(triton, "__version__", "0")
     if not at_least(version, MIN_TRITON):
-        return ProbeResult(False, f"triton {version} is too old; need >= {dotted(MIN_TRITON)}",
-                           device=f"{count} GPU(s)")
-    return ProbeResult(True, f"{count} NVIDIA GPU(s) visible, CUDA {torch.version.cuda}, triton {version}",
-                       device=f"cuda ({count} visible)")
+        return ProbeResult(
+            False, f"triton {version} is too old; need >= {dotted(MIN_TRITON)}", device=f"{count} GPU(s)"
+        )
+    return ProbeResult(
+        True,
+        f"{count} NVIDIA GPU(s) visible, CUDA {torch.version.cuda}, triton {version}",
+        device=f"cuda ({count} visible)",
+    )
 
 
 @hookimpl

@@ -21,11 +21,14 @@ def probe() -> ProbeResult:
     except Exception as exc:
         return ProbeResult(False, f"torch.xpu.is_available() failed: {type(exc).__name__}: {exc}")
     if not available:
-        return ProbeResult(False, f"no Intel XPU visible (torch {torch.__version__}: torch.xpu.is_available() is False)")
+        return ProbeResult(
+            False, f"no Intel XPU visible (torch {torch.__version__}: torch.xpu.is_available() is False)"
+        )
     count = torch.xpu.device_count()
     ipex = "with" if importlib.util.find_spec("intel_extension_for_pytorch") is not None else "without"
-    return ProbeResult(True, f"{count} Intel XPU(s) visible, torch {torch.__version__} {ipex} IPEX",
-                       device=f"xpu ({count} visible)")
+    return ProbeResult(
+        True, f"{count} Intel XPU(s) visible, torch {torch.__version__} {ipex} IPEX", device=f"xpu ({count} visible)"
+    )
 
 
 @hookimpl

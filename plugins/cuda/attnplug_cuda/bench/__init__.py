@@ -57,8 +57,12 @@ def _driver_version() -> Optional[str]:
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except Exception:
         return None
@@ -74,9 +78,13 @@ def _environment() -> Dict[str, Any]:
     env: Dict[str, Any] = {"torch_cuda": getattr(torch.version, "cuda", None)}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        env.update(gpu=props.name, compute_capability=f"{props.major}.{props.minor}",
-                   sm_count=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                   driver=_driver_version())
+        env.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            sm_count=props.multi_processor_count,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            driver=_driver_version(),
+        )
         try:
             from ..kernels.pdl import pdl_supported
 
@@ -101,8 +109,12 @@ SUITE = Suite(
         _b("step_metadata", "host cost of one graph replay's preparation, syncs, enqueue-ahead", 60.0),
         _b("decode_attention", "SWA decode at 32k context: TB/s vs copy bandwidth and peers", 45.0),
         _b("hybrid_step", "whole 48-layer hybrid steps through GraphRunner: new vs before", 150.0),
-        _b("kernels", "each kernel alone: attention cases, 32-layer step PDL on/off, store, metadata",
-           120.0, default=False),
+        _b(
+            "kernels",
+            "each kernel alone: attention cases, 32-layer step PDL on/off, store, metadata",
+            120.0,
+            default=False,
+        ),
     ],
     requires=_require_cuda,
     environment=_environment,
@@ -112,8 +124,14 @@ SUITE = Suite(
 )
 
 
-def run_benchmarks(only: Optional[Iterable[str]] = None, quick: bool = False, json_path: Optional[str] = None,
-                   *, out_dir: Optional[str] = None, **options: Any) -> dict:
+def run_benchmarks(
+    only: Optional[Iterable[str]] = None,
+    quick: bool = False,
+    json_path: Optional[str] = None,
+    *,
+    out_dir: Optional[str] = None,
+    **options: Any,
+) -> dict:
     """Run ``SUITE`` on the current CUDA device through the harness (``attnplug.bench.run_suite``):
     the same run as ``attnplug bench --backend cuda``. ``options``: the suite's options."""
     import torch
@@ -126,5 +144,13 @@ def run_benchmarks(only: Optional[Iterable[str]] = None, quick: bool = False, js
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; the cuda suite has {sorted(SUITE.options)}")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return run_suite(SUITE, CudaBackend, device, only=list(only) if only else None, quick=quick, out_dir=out_dir,
-                     json_path=json_path, options={**SUITE.options, **options})
+    return run_suite(
+        SUITE,
+        CudaBackend,
+        device,
+        only=list(only) if only else None,
+        quick=quick,
+        out_dir=out_dir,
+        json_path=json_path,
+        options={**SUITE.options, **options},
+    )

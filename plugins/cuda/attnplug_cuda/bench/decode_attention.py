@@ -73,7 +73,9 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, rep_ms: float
 
     backend = CudaBackend(pool, rows_pool, num_heads=H, sliding_window=WINDOW)
     batch = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=BS, req_pool_indices=req.clone(),
+        forward_mode=ForwardMode.DECODE,
+        batch_size=BS,
+        req_pool_indices=req.clone(),
         seq_lens=torch.full((BS,), CONTEXT, dtype=torch.int64, device=dev),
         out_cache_loc=(1 + (req - 1) * CONTEXT + CONTEXT - 1).contiguous(),
         positions=torch.full((BS,), CONTEXT - 1, dtype=torch.int64, device=dev),
@@ -89,11 +91,32 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, rep_ms: float
     us = ctx.timer.device_us(ours, rep_ms=rep_ms)
     tbs = BYTES / (us * 1e-6) / 1e12
     frac = tbs / copy_tb_s
-    rows.append(row(NAME, "cuda backend (paged, swa_window_table)", "time", us, "us",
-                    achieved_tb_s=tbs, pct_of_copy=100 * frac, bytes=BYTES, pdl=backend.pdl))
-    rows.append(row(NAME, "cuda backend (paged, swa_window_table)", "% of copy bandwidth", 100 * frac, "%",
-                    target=f">= {100 * TARGET_FRACTION:g}%", met=frac >= TARGET_FRACTION, achieved_tb_s=tbs,
-                    detail=f"{us:.1f} us, {tbs:.2f} TB/s (copy {copy_tb_s:.2f} TB/s)"))
+    rows.append(
+        row(
+            NAME,
+            "cuda backend (paged, swa_window_table)",
+            "time",
+            us,
+            "us",
+            achieved_tb_s=tbs,
+            pct_of_copy=100 * frac,
+            bytes=BYTES,
+            pdl=backend.pdl,
+        )
+    )
+    rows.append(
+        row(
+            NAME,
+            "cuda backend (paged, swa_window_table)",
+            "% of copy bandwidth",
+            100 * frac,
+            "%",
+            target=f">= {100 * TARGET_FRACTION:g}%",
+            met=frac >= TARGET_FRACTION,
+            achieved_tb_s=tbs,
+            detail=f"{us:.1f} us, {tbs:.2f} TB/s (copy {copy_tb_s:.2f} TB/s)",
+        )
+    )
     ctx.log(f"  cuda backend: {us:.1f} us, {tbs:.3f} TB/s = {100 * frac:.1f}% of copy")
 
     # The window laid out contiguously: position CONTEXT - WINDOW + j of request b is SWA slot 1 + b*WINDOW + j.
@@ -103,15 +126,36 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, rep_ms: float
     try:
         out_sdpa = _sdpa(q4, kc, vc)
         diff = (out_sdpa.view(BS, H, D).float() - out_ours.float()).abs().max().item()
-        rows.append(row(NAME, "cuda backend vs SDPA (same window)", "max |out diff|", diff, "",
-                        target="<= 2e-2", met=diff <= 2e-2))
+        rows.append(
+            row(
+                NAME,
+                "cuda backend vs SDPA (same window)",
+                "max |out diff|",
+                diff,
+                "",
+                target="<= 2e-2",
+                met=diff <= 2e-2,
+            )
+        )
         us_sdpa = ctx.timer.device_us(lambda: _sdpa(q4, kc, vc), rep_ms=rep_ms)
-        rows.append(row(NAME, "peer: SDPA, contiguous window, enable_gqa", "time", us_sdpa, "us",
-                        achieved_tb_s=BYTES / (us_sdpa * 1e-6) / 1e12, ours_speedup=us_sdpa / us, key=True,
-                        detail=f"{BYTES / (us_sdpa * 1e-6) / 1e12:.2f} TB/s; cuda backend {us_sdpa / us:.2f}x its speed"))
+        rows.append(
+            row(
+                NAME,
+                "peer: SDPA, contiguous window, enable_gqa",
+                "time",
+                us_sdpa,
+                "us",
+                achieved_tb_s=BYTES / (us_sdpa * 1e-6) / 1e12,
+                ours_speedup=us_sdpa / us,
+                key=True,
+                detail=f"{BYTES / (us_sdpa * 1e-6) / 1e12:.2f} TB/s; cuda backend {us_sdpa / us:.2f}x its speed",
+            )
+        )
         ctx.log(f"  SDPA contiguous: {us_sdpa:.1f} us (max |diff| vs ours {diff:.2e})")
     except Exception as exc:
-        rows.append(row(NAME, "peer: SDPA, contiguous window", "time", None, "us", error=f"{type(exc).__name__}: {exc}"))
+        rows.append(
+            row(NAME, "peer: SDPA, contiguous window", "time", None, "us", error=f"{type(exc).__name__}: {exc}")
+        )
         ctx.log(f"  SDPA contiguous: FAILED {type(exc).__name__}: {exc}")
     kc = vc = None  # free the contiguous copies before the gather peer
     free_memory(ctx.timer)
@@ -126,9 +170,19 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, rep_ms: float
 
     try:
         us_g = ctx.timer.device_us(gather_sdpa, rep_ms=rep_ms)
-        rows.append(row(NAME, "peer: gather k_cache[table] + SDPA", "time", us_g, "us",
-                        achieved_tb_s=BYTES / (us_g * 1e-6) / 1e12, ours_speedup=us_g / us, key=True,
-                        detail=f"cuda backend {us_g / us:.2f}x its speed"))
+        rows.append(
+            row(
+                NAME,
+                "peer: gather k_cache[table] + SDPA",
+                "time",
+                us_g,
+                "us",
+                achieved_tb_s=BYTES / (us_g * 1e-6) / 1e12,
+                ours_speedup=us_g / us,
+                key=True,
+                detail=f"cuda backend {us_g / us:.2f}x its speed",
+            )
+        )
         ctx.log(f"  gather + SDPA: {us_g:.1f} us")
     except Exception as exc:
         rows.append(row(NAME, "peer: gather + SDPA", "time", None, "us", error=f"{type(exc).__name__}: {exc}"))
@@ -140,15 +194,34 @@ def run(ctx: Ctx) -> List[dict]:
     rows: List[dict] = ctx.rows
     rep_ms = 30.0 if ctx.quick else 100.0
     bw = copy_bandwidth(ctx.timer, 2 << 30, rep_ms=rep_ms)
-    rows.append(row(NAME, "device-to-device copy (2 GiB, read+write)", "bandwidth", bw["tb_s"], "TB/s",
-                    us=bw["us"], bytes=bw["bytes"], key=True))
+    rows.append(
+        row(
+            NAME,
+            "device-to-device copy (2 GiB, read+write)",
+            "bandwidth",
+            bw["tb_s"],
+            "TB/s",
+            us=bw["us"],
+            bytes=bw["bytes"],
+            key=True,
+        )
+    )
     ctx.log(f"  copy bandwidth: {bw['tb_s']:.3f} TB/s ({bw['us']:.1f} us for {bw['bytes'] / 1e9:.2f} GB)")
     us = None
     try:
         us = _paged_and_peers(ctx, rows, bw["tb_s"], rep_ms)
     except Exception as exc:
-        rows.append(row(NAME, "cuda backend (paged, swa_window_table)", "time", None, "us",
-                        error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
+        rows.append(
+            row(
+                NAME,
+                "cuda backend (paged, swa_window_table)",
+                "time",
+                None,
+                "us",
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(),
+            )
+        )
         ctx.log(f"  cuda backend: FAILED {type(exc).__name__}: {exc}")
     free_memory(ctx.timer)
 
@@ -171,8 +244,9 @@ def _flex_row(budget: float, ours_us: Optional[float], rep_ms: float) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     cmd = [sys.executable, "-m", "attnplug_cuda.bench.decode_attention", "--flex-child", str(rep_ms)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=budget)
     except subprocess.TimeoutExpired:
@@ -185,18 +259,29 @@ def _flex_row(budget: float, ours_us: Optional[float], rep_ms: float) -> dict:
     result = None
     for line in reversed(stdout.splitlines()):
         if line.startswith("FLEX_RESULT "):
-            result = json.loads(line[len("FLEX_RESULT "):])
+            result = json.loads(line[len("FLEX_RESULT ") :])
             break
     if result is None or result.get("error"):
         err = (result or {}).get("error") or f"child exited {proc.returncode}: " + " | ".join(
-            (stderr or stdout).strip().splitlines()[-6:])
+            (stderr or stdout).strip().splitlines()[-6:]
+        )
         return row(NAME, case, "time", None, "us", error=err, key=True)
     us = result["us"]
     ratio = us / ours_us if ours_us else None
-    return row(NAME, case, "time", us, "us", achieved_tb_s=BYTES / (us * 1e-6) / 1e12, ours_speedup=ratio,
-               compile_s=result.get("compile_s"), max_abs_diff_vs_sdpa=result.get("diff"), key=True,
-               detail=(f"cuda backend {ratio:.2f}x its speed; " if ratio else "")
-               + f"compiled in {result.get('compile_s', 0):.0f} s; {BYTES / (us * 1e-6) / 1e12:.2f} TB/s")
+    return row(
+        NAME,
+        case,
+        "time",
+        us,
+        "us",
+        achieved_tb_s=BYTES / (us * 1e-6) / 1e12,
+        ours_speedup=ratio,
+        compile_s=result.get("compile_s"),
+        max_abs_diff_vs_sdpa=result.get("diff"),
+        key=True,
+        detail=(f"cuda backend {ratio:.2f}x its speed; " if ratio else "")
+        + f"compiled in {result.get('compile_s', 0):.0f} s; {BYTES / (us * 1e-6) / 1e12:.2f} TB/s",
+    )
 
 
 def _flex_child(rep_ms: float) -> None:

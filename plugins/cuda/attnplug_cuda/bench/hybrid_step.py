@@ -31,8 +31,16 @@ from attnplug.bench.step_case import StepShape, StepVariant, run_step_benchmark
 NAME = "hybrid_step"
 NUM_LAYERS, CONTEXT, WINDOW, NUM_DRAFT = 48, 1024, 256, 4
 TARGET_SPEEDUP = 1.5
-SHAPE = StepShape(num_layers=NUM_LAYERS, num_heads=32, num_kv_heads=8, head_dim=128, context=CONTEXT, window=WINDOW,
-                  num_draft=NUM_DRAFT, dtype=torch.bfloat16)
+SHAPE = StepShape(
+    num_layers=NUM_LAYERS,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    context=CONTEXT,
+    window=WINDOW,
+    num_draft=NUM_DRAFT,
+    dtype=torch.bfloat16,
+)
 
 
 def variants() -> dict:
@@ -46,8 +54,15 @@ def variants() -> dict:
 def run(ctx: Ctx) -> List[dict]:
     sizes = (1, 64) if ctx.quick else (1, 8, 32, 64, 128)
     return run_step_benchmark(
-        ctx, name=NAME, shape=SHAPE, variants=variants(), baseline="before",
-        modes=(ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND), sizes=sizes,
-        steps=lambda bs: 30 if ctx.quick else (50 if bs >= 64 else 100), repeats=3 if ctx.quick else 5,
-        target_speedup=TARGET_SPEEDUP, tolerance=1e-2,
+        ctx,
+        name=NAME,
+        shape=SHAPE,
+        variants=variants(),
+        baseline="before",
+        modes=(ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND),
+        sizes=sizes,
+        steps=lambda bs: 30 if ctx.quick else (50 if bs >= 64 else 100),
+        repeats=3 if ctx.quick else 5,
+        target_speedup=TARGET_SPEEDUP,
+        tolerance=1e-2,
     )

@@ -67,17 +67,39 @@ def _case(bs, q_len, seq_len, window, H, Hkv, D, dtype, device, layer, seed=0):
         swa_window_table=torch.empty(bs, width, dtype=torch.int32, device=device) if window is not None else None,
     )
     meta = lambda: step_metadata(  # noqa: E731
-        rpi, seq_lens, q_len, out_cache_loc, full_to_swa_index_mapping=mapping, req_to_token=req_to_token,
-        window=window, **bufs,
+        rpi,
+        seq_lens,
+        q_len,
+        out_cache_loc,
+        full_to_swa_index_mapping=mapping,
+        req_to_token=req_to_token,
+        window=window,
+        **bufs,
     )
     meta()
     q = torch.randn(T, H, D, generator=g, device=device).to(dtype)
     if layer == "full":
         table, rows, start = req_to_token, rpi, None
     else:
-        table, rows, start = bufs["swa_window_table"], torch.arange(bs, dtype=torch.int32, device=device), bufs["window_start"]
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu=bufs["cu_q_lens"], seq_lens=seq_lens, table=table,
-                rows=rows, start=start, max_kv_len=max_ctx, meta=meta, reach=reach, out_cache_loc=out_cache_loc)
+        table, rows, start = (
+            bufs["swa_window_table"],
+            torch.arange(bs, dtype=torch.int32, device=device),
+            bufs["window_start"],
+        )
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cu=bufs["cu_q_lens"],
+        seq_lens=seq_lens,
+        table=table,
+        rows=rows,
+        start=start,
+        max_kv_len=max_ctx,
+        meta=meta,
+        reach=reach,
+        out_cache_loc=out_cache_loc,
+    )
 
 
 def _reference(c, q_len, window):
@@ -115,25 +137,58 @@ def _attention_fn(c, q_len, window, *, config=None, pdl=False):
     ws = torch.empty(workspace_numel(q.shape[0], q.shape[1], q.shape[2]) * 4, dtype=torch.float32, device=q.device)
 
     def fn():
-        paged_attention(q, c["k_cache"], c["v_cache"], out, cu_q_lens=c["cu"], seq_lens=c["seq_lens"],
-                        table=c["table"], table_rows=c["rows"], table_start=c["start"], max_q_len=q_len,
-                        max_kv_len=c["max_kv_len"], window=window, workspace=ws, pdl=pdl, config=config)
+        paged_attention(
+            q,
+            c["k_cache"],
+            c["v_cache"],
+            out,
+            cu_q_lens=c["cu"],
+            seq_lens=c["seq_lens"],
+            table=c["table"],
+            table_rows=c["rows"],
+            table_start=c["start"],
+            max_q_len=q_len,
+            max_kv_len=c["max_kv_len"],
+            window=window,
+            workspace=ws,
+            pdl=pdl,
+            config=config,
+        )
         return out
 
     return fn
 
 
-def _attention_row(ctx: Ctx, name: str, bs: int, q_len: int, seq_len: int, window: Optional[int], layer: str,
-                   pdl: bool, copy_tb_s: float, *, check: bool = True) -> dict:
+def _attention_row(
+    ctx: Ctx,
+    name: str,
+    bs: int,
+    q_len: int,
+    seq_len: int,
+    window: Optional[int],
+    layer: str,
+    pdl: bool,
+    copy_tb_s: float,
+    *,
+    check: bool = True,
+) -> dict:
     from ..kernels.paged_attention import _num_sms, plan_attention
 
     dev = ctx.device
     c = _case(bs, q_len, seq_len, window, H, HKV, D, torch.bfloat16, dev, layer)
     keys = min(seq_len, q_len + window - 1) if window is not None else seq_len
     kv_bytes = bs * keys * HKV * D * 2 * 2
-    plan = plan_attention(num_reqs=bs, num_tokens=bs * q_len, num_kv_heads=HKV, group=H // HKV, head_dim=D,
-                          max_q_len=q_len, max_kv_len=c["max_kv_len"], window=window,
-                          num_sms=_num_sms(dev.type, dev.index))
+    plan = plan_attention(
+        num_reqs=bs,
+        num_tokens=bs * q_len,
+        num_kv_heads=HKV,
+        group=H // HKV,
+        head_dim=D,
+        max_q_len=q_len,
+        max_kv_len=c["max_kv_len"],
+        window=window,
+        num_sms=_num_sms(dev.type, dev.index),
+    )
     fn = _attention_fn(c, q_len, window, pdl=pdl)
     out = fn()
     err = None
@@ -147,11 +202,25 @@ def _attention_row(ctx: Ctx, name: str, bs: int, q_len: int, seq_len: int, windo
     tflops = flops / (us * 1e-6) / 1e12
     del c
     free_memory(ctx.timer)
-    return row(NAME, name, "time", us, "us", target=f"rel_err <= {REL_ERR_TARGET:g}" if check else None,
-               met=(err <= REL_ERR_TARGET) if check else None, key=True, kv_gb=kv_bytes / 1e9, tb_s=tb_s,
-               pct_of_copy=100 * tb_s / copy_tb_s, tflop_s=tflops, rel_err=err, plan=plan, host_us=host,
-               detail=f"{tb_s:.2f} TB/s ({100 * tb_s / copy_tb_s:.0f}% of copy), {tflops:.1f} TFLOP/s, "
-                      f"host {host:.0f} us" + (f", rel err {err:.1e}" if err is not None else ""))
+    return row(
+        NAME,
+        name,
+        "time",
+        us,
+        "us",
+        target=f"rel_err <= {REL_ERR_TARGET:g}" if check else None,
+        met=(err <= REL_ERR_TARGET) if check else None,
+        key=True,
+        kv_gb=kv_bytes / 1e9,
+        tb_s=tb_s,
+        pct_of_copy=100 * tb_s / copy_tb_s,
+        tflop_s=tflops,
+        rel_err=err,
+        plan=plan,
+        host_us=host,
+        detail=f"{tb_s:.2f} TB/s ({100 * tb_s / copy_tb_s:.0f}% of copy), {tflops:.1f} TFLOP/s, "
+        f"host {host:.0f} us" + (f", rel err {err:.1e}" if err is not None else ""),
+    )
 
 
 def _guarded(ctx: Ctx, case: str, fn) -> None:
@@ -164,8 +233,9 @@ def _guarded(ctx: Ctx, case: str, fn) -> None:
         ctx.rows.append(r)
         ctx.log(f"  {case}: {r['value']:.1f} us  {r.get('detail', '')}")
     except Exception as exc:
-        ctx.rows.append(row(NAME, case, "time", None, "us", error=f"{type(exc).__name__}: {exc}",
-                            traceback=traceback.format_exc()))
+        ctx.rows.append(
+            row(NAME, case, "time", None, "us", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        )
         ctx.log(f"  {case}: FAILED {type(exc).__name__}: {exc}")
         free_memory(ctx.timer)
 
@@ -185,14 +255,34 @@ def _step_row(ctx: Ctx, use_pdl: bool) -> dict:
     def step():
         for _ in range(32):
             kv_store(k_new, k_new, c["k_cache"], c["v_cache"], loc, pdl=use_pdl)
-            paged_attention(c["q"], c["k_cache"], c["v_cache"], out, cu_q_lens=c["cu"], seq_lens=c["seq_lens"],
-                            table=c["table"], table_rows=c["rows"], table_start=c["start"], max_q_len=1,
-                            max_kv_len=c["max_kv_len"], window=1024, workspace=ws, pdl=use_pdl)
+            paged_attention(
+                c["q"],
+                c["k_cache"],
+                c["v_cache"],
+                out,
+                cu_q_lens=c["cu"],
+                seq_lens=c["seq_lens"],
+                table=c["table"],
+                table_rows=c["rows"],
+                table_start=c["start"],
+                max_q_len=1,
+                max_kv_len=c["max_kv_len"],
+                window=1024,
+                workspace=ws,
+                pdl=use_pdl,
+            )
 
     step()
     us = ctx.timer.graph_us(step, rep_ms=20.0 if ctx.quick else 100.0)
-    return row(NAME, f"32-layer decode step bs8 W1024 pdl={use_pdl}", "time", us, "us", key=True,
-               detail=f"{us / 32:.2f} us per layer (store + attention)")
+    return row(
+        NAME,
+        f"32-layer decode step bs8 W1024 pdl={use_pdl}",
+        "time",
+        us,
+        "us",
+        key=True,
+        detail=f"{us / 32:.2f} us per layer (store + attention)",
+    )
 
 
 def _store_row(ctx: Ctx, T: int, pdl: bool) -> dict:
@@ -210,16 +300,35 @@ def _store_row(ctx: Ctx, T: int, pdl: bool) -> dict:
     us = ctx.timer.graph_us(fn, rep_ms=20.0 if ctx.quick else 100.0)
     host = ctx.timer.host_us(fn, iters=50 if ctx.quick else 200, warmup=5)
     tb_s = 4 * k.numel() * 2 / (us * 1e-6) / 1e12
-    return row(NAME, f"kv_store T={T}", "time", us, "us", target="stored values equal", met=ok, key=True, tb_s=tb_s,
-               host_us=host, detail=f"{tb_s:.2f} TB/s, host {host:.0f} us")
+    return row(
+        NAME,
+        f"kv_store T={T}",
+        "time",
+        us,
+        "us",
+        target="stored values equal",
+        met=ok,
+        key=True,
+        tb_s=tb_s,
+        host_us=host,
+        detail=f"{tb_s:.2f} TB/s, host {host:.0f} us",
+    )
 
 
 def _metadata_row(ctx: Ctx, bs: int) -> dict:
     c = _case(bs, 1, 4200, 4096, 8, 8, 64, torch.bfloat16, ctx.device, "swa")
     us = ctx.timer.graph_us(c["meta"], rep_ms=20.0 if ctx.quick else 100.0)
     host = ctx.timer.host_us(c["meta"], iters=50 if ctx.quick else 200, warmup=5)
-    return row(NAME, f"step_metadata decode bs={bs} W4096", "time", us, "us", key=True, host_us=host,
-               detail=f"host {host:.0f} us")
+    return row(
+        NAME,
+        f"step_metadata decode bs={bs} W4096",
+        "time",
+        us,
+        "us",
+        key=True,
+        host_us=host,
+        detail=f"host {host:.0f} us",
+    )
 
 
 def _sweep(ctx: Ctx, pdl: bool) -> None:
@@ -229,25 +338,38 @@ def _sweep(ctx: Ctx, pdl: bool) -> None:
         kv_bytes = bs * 4096 * HKV * D * 4
         variants = [dict(num_splits=sp) for sp in (1, 2, 3, 4, 6, 8, 12, 16)]
         if bs == 64:
-            variants += [dict(num_splits=1, num_stages=2), dict(num_splits=1, PHASES=True),
-                         dict(num_splits=2, PHASES=True), dict(num_splits=1, BLOCK_N=128, num_warps=8)]
+            variants += [
+                dict(num_splits=1, num_stages=2),
+                dict(num_splits=1, PHASES=True),
+                dict(num_splits=2, PHASES=True),
+                dict(num_splits=1, BLOCK_N=128, num_warps=8),
+            ]
         for cfg in variants:
+
             def one(cfg=cfg, c=c, bs=bs, kv_bytes=kv_bytes):
                 us = ctx.timer.graph_us(_attention_fn(c, 1, 4096, config=cfg, pdl=pdl), rep_ms=50.0)
-                return row(NAME, f"sweep decode bs{bs} {cfg}", "time", us, "us", config=cfg,
-                           tb_s=kv_bytes / (us * 1e-6) / 1e12)
+                return row(
+                    NAME, f"sweep decode bs{bs} {cfg}", "time", us, "us", config=cfg, tb_s=kv_bytes / (us * 1e-6) / 1e12
+                )
+
             _guarded(ctx, f"sweep decode bs{bs} {cfg}", one)
         del c
         free_memory(ctx.timer)
     c = _case(1, 8192, 8192, None, H, HKV, D, torch.bfloat16, ctx.device, "full")
     flops = 4 * 8192 * H * D * 8192 / 2
-    for cfg in (dict(PHASES=False), dict(PHASES=True), dict(PHASES=True, num_stages=3),
-                dict(PHASES=True, BLOCK_M=64, num_warps=4, num_stages=3), dict(PHASES=True, BLOCK_N=128),
-                dict(PHASES=True, BLOCK_N=32, num_stages=3)):
+    for cfg in (
+        dict(PHASES=False),
+        dict(PHASES=True),
+        dict(PHASES=True, num_stages=3),
+        dict(PHASES=True, BLOCK_M=64, num_warps=4, num_stages=3),
+        dict(PHASES=True, BLOCK_N=128),
+        dict(PHASES=True, BLOCK_N=32, num_stages=3),
+    ):
+
         def one(cfg=cfg, c=c):
             us = ctx.timer.graph_us(_attention_fn(c, 8192, None, config=cfg, pdl=pdl), rep_ms=50.0)
-            return row(NAME, f"sweep prefill {cfg}", "time", us, "us", config=cfg,
-                       tflop_s=flops / (us * 1e-6) / 1e12)
+            return row(NAME, f"sweep prefill {cfg}", "time", us, "us", config=cfg, tflop_s=flops / (us * 1e-6) / 1e12)
+
         _guarded(ctx, f"sweep prefill {cfg}", one)
     del c
     free_memory(ctx.timer)
@@ -258,22 +380,39 @@ def run(ctx: Ctx) -> List[dict]:
 
     pdl, reason = pdl_supported(ctx.device)
     bw = copy_bandwidth(ctx.timer, 2 << 30, rep_ms=30.0 if ctx.quick else 100.0)
-    ctx.rows.append(row(NAME, "device-to-device copy (2 GiB, read+write)", "bandwidth", bw["tb_s"], "TB/s",
-                        us=bw["us"], key=True, detail=f"PDL {pdl} ({reason})"))
+    ctx.rows.append(
+        row(
+            NAME,
+            "device-to-device copy (2 GiB, read+write)",
+            "bandwidth",
+            bw["tb_s"],
+            "TB/s",
+            us=bw["us"],
+            key=True,
+            detail=f"PDL {pdl} ({reason})",
+        )
+    )
     ctx.log(f"  copy bandwidth {bw['tb_s']:.2f} TB/s; PDL {pdl} ({reason})")
-    cases = [("swa_decode bs64 W4096 seq8192", 64, 1, 8192, 4096, "swa", True),
-             ("full_decode bs64 seq4096", 64, 1, 4096, None, "full", True),
-             ("swa_decode bs8 W4096 seq8192", 8, 1, 8192, 4096, "swa", True),
-             ("swa_decode bs256 W4096 seq4096", 256, 1, 4096, 4096, "swa", False),
-             ("swa_verify bs64 q4 W4096", 64, 4, 8192, 4096, "swa", True),
-             ("full_prefill bs1 q8192", 1, 8192, 8192, None, "full", False),
-             ("full_extend bs4 q2048 prefix2048", 4, 2048, 4096, None, "full", False)]
+    cases = [
+        ("swa_decode bs64 W4096 seq8192", 64, 1, 8192, 4096, "swa", True),
+        ("full_decode bs64 seq4096", 64, 1, 4096, None, "full", True),
+        ("swa_decode bs8 W4096 seq8192", 8, 1, 8192, 4096, "swa", True),
+        ("swa_decode bs256 W4096 seq4096", 256, 1, 4096, 4096, "swa", False),
+        ("swa_verify bs64 q4 W4096", 64, 4, 8192, 4096, "swa", True),
+        ("full_prefill bs1 q8192", 1, 8192, 8192, None, "full", False),
+        ("full_extend bs4 q2048 prefix2048", 4, 2048, 4096, None, "full", False),
+    ]
     if ctx.quick:
         cases = cases[:2]
     for name, bs, q_len, seq_len, window, layer, check in cases:
-        _guarded(ctx, name, functools.partial(_attention_row, ctx, name, bs, q_len, seq_len, window, layer, pdl,
-                                              bw["tb_s"], check=check))
-    for use_pdl in ([False, True] if pdl else [False]):
+        _guarded(
+            ctx,
+            name,
+            functools.partial(
+                _attention_row, ctx, name, bs, q_len, seq_len, window, layer, pdl, bw["tb_s"], check=check
+            ),
+        )
+    for use_pdl in [False, True] if pdl else [False]:
         _guarded(ctx, f"32-layer decode step bs8 W1024 pdl={use_pdl}", functools.partial(_step_row, ctx, use_pdl))
     for T in (64, 8192):
         _guarded(ctx, f"kv_store T={T}", functools.partial(_store_row, ctx, T, pdl))

@@ -64,6 +64,7 @@ def run(ctx: Ctx) -> List[dict]:
         def fn():
             for l in range(NUM_LAYERS):
                 triton_store(ks[l], vs[l], pool.k_buffer[l], pool.v_buffer[l], loc_of[l], pdl=pdl)
+
         return fn
 
     def cpp_step(pdl: bool) -> Callable[[], None]:
@@ -72,6 +73,7 @@ def run(ctx: Ctx) -> List[dict]:
         def fn():
             for l in range(NUM_LAYERS):
                 cpp_store(ks[l], vs[l], pool.k_buffer[l], pool.v_buffer[l], loc_of[l], pdl)
+
         return fn
 
     def before_step() -> None:
@@ -118,17 +120,35 @@ def run(ctx: Ctx) -> List[dict]:
             )
             per_layer[name] = us
             pdl = name.endswith(" pdl") and not name.endswith("no-pdl")
-            rows.append(row(
-                NAME, name, "time per layer", us, "us",
-                target=f"<= {TARGET_US} us" if pdl else None,
-                met=(us <= TARGET_US) if pdl else None,
-                stored_correctly=ok, key=True,
-                detail=f"{NUM_LAYERS} layers in one graph: {us * NUM_LAYERS:.1f} us" if ok else "STORED VALUES WRONG",
-            ))
+            rows.append(
+                row(
+                    NAME,
+                    name,
+                    "time per layer",
+                    us,
+                    "us",
+                    target=f"<= {TARGET_US} us" if pdl else None,
+                    met=(us <= TARGET_US) if pdl else None,
+                    stored_correctly=ok,
+                    key=True,
+                    detail=f"{NUM_LAYERS} layers in one graph: {us * NUM_LAYERS:.1f} us"
+                    if ok
+                    else "STORED VALUES WRONG",
+                )
+            )
             ctx.log(f"  {name:14s} {us:8.3f} us/layer  (stored ok: {ok})")
         except Exception as exc:  # keep the other variants
-            rows.append(row(NAME, name, "time per layer", None, "us", error=f"{type(exc).__name__}: {exc}",
-                            traceback=traceback.format_exc()))
+            rows.append(
+                row(
+                    NAME,
+                    name,
+                    "time per layer",
+                    None,
+                    "us",
+                    error=f"{type(exc).__name__}: {exc}",
+                    traceback=traceback.format_exc(),
+                )
+            )
             ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
         free_memory(ctx.timer)
     for name, why in reasons.items():
@@ -140,13 +160,31 @@ def run(ctx: Ctx) -> List[dict]:
         on, off = per_layer.get(f"{impl} pdl"), per_layer.get(f"{impl} no-pdl")
         if on and off:
             s = off / on
-            rows.append(row(NAME, f"{impl}: pdl vs no-pdl", "speedup", s, "x",
-                            target=f">= {TARGET_PDL_SPEEDUP}x", met=s >= TARGET_PDL_SPEEDUP,
-                            detail=f"{off:.3f} -> {on:.3f} us/layer"))
+            rows.append(
+                row(
+                    NAME,
+                    f"{impl}: pdl vs no-pdl",
+                    "speedup",
+                    s,
+                    "x",
+                    target=f">= {TARGET_PDL_SPEEDUP}x",
+                    met=s >= TARGET_PDL_SPEEDUP,
+                    detail=f"{off:.3f} -> {on:.3f} us/layer",
+                )
+            )
         before = per_layer.get("before")
         if on and before:
             s = before / on
-            rows.append(row(NAME, f"{impl} pdl vs before", "speedup", s, "x",
-                            target=f">= {TARGET_VS_BEFORE}x", met=s >= TARGET_VS_BEFORE,
-                            detail=f"{before:.3f} -> {on:.3f} us/layer"))
+            rows.append(
+                row(
+                    NAME,
+                    f"{impl} pdl vs before",
+                    "speedup",
+                    s,
+                    "x",
+                    target=f">= {TARGET_VS_BEFORE}x",
+                    met=s >= TARGET_VS_BEFORE,
+                    detail=f"{before:.3f} -> {on:.3f} us/layer",
+                )
+            )
     return rows

@@ -107,13 +107,13 @@ def enqueue_ahead(run_step, cycles: int, k: int = ENQUEUE_STEPS) -> Tuple[float,
     return (t1 - t0) * 1e3, (t2 - t0) * 1e3, busy
 
 
-def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: int, iters: int, cycles: int,
-              *, enqueue: bool) -> Dict[str, object]:
+def _run_path(
+    ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: int, iters: int, cycles: int, *, enqueue: bool
+) -> Dict[str, object]:
     """Measure (a)-(d) for one path of one case; appends detail rows (JSON) and returns the
     numbers: output, prep_us, md_us, kernels, copies, md_kernels, md_copies, sync_error,
     enqueue (host ms, total ms, GPU busy) or None."""
     from attnplug import ForwardMode, GraphRunner
-
     from attnplug.bench.world import INPUTS, make_step
 
     from ..device import strict_sync_guard
@@ -124,8 +124,13 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
     res: Dict[str, object] = {}
     step = make_step(backend, world, T)
     runner = GraphRunner(
-        backend, step, max_bs=bs, inputs=INPUTS, num_draft_tokens=NUM_DRAFT if q > 1 else None,
-        bucket_sizes=[bs], modes=[mode],
+        backend,
+        step,
+        max_bs=bs,
+        inputs=INPUTS,
+        num_draft_tokens=NUM_DRAFT if q > 1 else None,
+        bucket_sizes=[bs],
+        modes=[mode],
     )
     runner.capture(strict=True)
     batch = world.batch(mode, bs, with_cpu=(path == "before"))
@@ -138,21 +143,42 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
     if path == "new":
         k, c, names = count_launches(lambda: backend.init_forward_metadata_replay_cuda_graph(captured.batch))
         res["md_kernels"], res["md_copies"], res["md_names"] = k, c, names
-        rows.append(row(NAME, case, "replay-metadata device ops", None if k is None else k + c, "ops", kernels=k,
-                        copies=c, device_ops=names))
+        rows.append(
+            row(
+                NAME,
+                case,
+                "replay-metadata device ops",
+                None if k is None else k + c,
+                "ops",
+                kernels=k,
+                copies=c,
+                device_ops=names,
+            )
+        )
     real_graph = captured.graph
     captured.graph = _NoReplay()
     try:
         k, c, names = count_launches(lambda: runner.run(batch, inputs))
         res["kernels"], res["copies"] = k, c
-        rows.append(row(NAME, case, "prep device ops (runner copies + metadata)", None if k is None else k + c, "ops",
-                        kernels=k, copies=c, device_ops=names))
+        rows.append(
+            row(
+                NAME,
+                case,
+                "prep device ops (runner copies + metadata)",
+                None if k is None else k + c,
+                "ops",
+                kernels=k,
+                copies=c,
+                device_ops=names,
+            )
+        )
         # (b) host time of one preparation
         res["prep_us"] = us = ctx.timer.host_us(lambda: runner.run(batch, inputs), iters=iters)
         rows.append(row(NAME, case, "host prep time", us, "us", variant=path, bs=bs, series=mode.name.lower()))
         if path == "new":
             res["md_us"] = ctx.timer.host_us(
-                lambda: backend.init_forward_metadata_replay_cuda_graph(captured.batch), iters=iters)
+                lambda: backend.init_forward_metadata_replay_cuda_graph(captured.batch), iters=iters
+            )
             rows.append(row(NAME, case, "host time, backend metadata only", res["md_us"], "us"))
     finally:
         captured.graph = real_graph
@@ -169,8 +195,16 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
         err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     torch.cuda.synchronize()
     res["sync_error"] = err
-    rows.append(row(NAME, case, "set_sync_debug_mode('error')", 0 if err is None else 1, "raised",
-                    notes=err or "no sync detected"))
+    rows.append(
+        row(
+            NAME,
+            case,
+            "set_sync_debug_mode('error')",
+            0 if err is None else 1,
+            "raised",
+            notes=err or "no sync detected",
+        )
+    )
     ctx.log(f"  {case:24s} under set_sync_debug_mode('error'): {err or 'no sync'}")
 
     # (d) enqueue-ahead
@@ -178,17 +212,27 @@ def _run_path(ctx: Ctx, rows: List[dict], world, backend, path: str, mode, bs: i
     if enqueue:
         host_ms, total_ms, busy = enqueue_ahead(lambda: runner.run(batch, inputs), cycles)
         res["enqueue"] = (host_ms, total_ms, busy)
-        rows.append(row(NAME, f"{case}: {ENQUEUE_STEPS} steps behind a {SLEEP_MS:g} ms GPU sleep", "host enqueue time",
-                        host_ms, "ms", total_ms=total_ms, gpu_busy_after_enqueue=busy))
-        ctx.log(f"  {case}: {ENQUEUE_STEPS} steps behind a {SLEEP_MS:g} ms sleep: host {host_ms:.3f} ms, "
-                f"total {total_ms:.3f} ms, GPU busy after enqueue: {busy}")
+        rows.append(
+            row(
+                NAME,
+                f"{case}: {ENQUEUE_STEPS} steps behind a {SLEEP_MS:g} ms GPU sleep",
+                "host enqueue time",
+                host_ms,
+                "ms",
+                total_ms=total_ms,
+                gpu_busy_after_enqueue=busy,
+            )
+        )
+        ctx.log(
+            f"  {case}: {ENQUEUE_STEPS} steps behind a {SLEEP_MS:g} ms sleep: host {host_ms:.3f} ms, "
+            f"total {total_ms:.3f} ms, GPU busy after enqueue: {busy}"
+        )
     torch.cuda.synchronize()
     return res
 
 
 def run(ctx: Ctx) -> List[dict]:
     from attnplug import ForwardMode
-
     from attnplug.bench.world import build_world
 
     from ..backend import CudaBackend
@@ -198,15 +242,18 @@ def run(ctx: Ctx) -> List[dict]:
     sizes = (1, 128) if ctx.quick else (1, 8, 32, 64, 128)
     cases = [(ForwardMode.DECODE, bs) for bs in sizes] + [(ForwardMode.TARGET_VERIFY, 128)]
     iters = 300 if ctx.quick else 2000
-    world = build_world(num_layers=NUM_LAYERS, max_bs=max(sizes), context=CONTEXT, window=WINDOW, num_draft=NUM_DRAFT,
-                        device=ctx.device)
+    world = build_world(
+        num_layers=NUM_LAYERS, max_bs=max(sizes), context=CONTEXT, window=WINDOW, num_draft=NUM_DRAFT, device=ctx.device
+    )
     ctx.timer.sync()
     backends = {
         "new": CudaBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW),
         "before": BeforeBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW),
     }
-    ctx.log(f"  world: {NUM_LAYERS} layers, context {CONTEXT}, window {WINDOW}, max bs {max(sizes)}; "
-            f"cuda backend pdl={backends['new'].pdl} ({backends['new'].pdl_reason})")
+    ctx.log(
+        f"  world: {NUM_LAYERS} layers, context {CONTEXT}, window {WINDOW}, max bs {max(sizes)}; "
+        f"cuda backend pdl={backends['new'].pdl} ({backends['new'].pdl_reason})"
+    )
     cycles = sleep_cycles_for(SLEEP_MS)
     enqueue_case = (ForwardMode.DECODE, max(sizes))
     md_kernels: List[Tuple[str, object, object, str]] = []
@@ -222,11 +269,21 @@ def run(ctx: Ctx) -> List[dict]:
         res: Dict[str, Dict[str, object]] = {}
         for path, backend in backends.items():
             try:
-                res[path] = _run_path(ctx, rows, world, backend, path, mode, bs, iters, cycles,
-                                      enqueue=(mode, bs) == enqueue_case)
+                res[path] = _run_path(
+                    ctx, rows, world, backend, path, mode, bs, iters, cycles, enqueue=(mode, bs) == enqueue_case
+                )
             except Exception as exc:
-                rows.append(row(NAME, f"{label} {path}", "all", None, "", error=f"{type(exc).__name__}: {exc}",
-                                traceback=traceback.format_exc()))
+                rows.append(
+                    row(
+                        NAME,
+                        f"{label} {path}",
+                        "all",
+                        None,
+                        "",
+                        error=f"{type(exc).__name__}: {exc}",
+                        traceback=traceback.format_exc(),
+                    )
+                )
                 ctx.log(f"  {label} {path}: FAILED {type(exc).__name__}: {exc}")
             finally:
                 free_memory(ctx.timer)
@@ -237,42 +294,95 @@ def run(ctx: Ctx) -> List[dict]:
             tgt = bs == 128
             detail = f"backend metadata alone {new['md_us']:.1f} us; kernels+copies {new['kernels']}+{new['copies']}"
             if before:
-                detail = (f"before {before['prep_us']:.1f} us; metadata alone {new['md_us']:.1f} us; kernels+copies "
-                          f"{new['kernels']}+{new['copies']} (before {before['kernels']}+{before['copies']})")
-            rows.append(row(NAME, label, "host prep time (new)", new["prep_us"], "us",
-                            target=f"<= {TARGET_PREP_US:g} us" if tgt else None,
-                            met=(new["prep_us"] <= TARGET_PREP_US) if tgt else None,
-                            before_us=before["prep_us"] if before else None, detail=detail, key=True))
+                detail = (
+                    f"before {before['prep_us']:.1f} us; metadata alone {new['md_us']:.1f} us; kernels+copies "
+                    f"{new['kernels']}+{new['copies']} (before {before['kernels']}+{before['copies']})"
+                )
+            rows.append(
+                row(
+                    NAME,
+                    label,
+                    "host prep time (new)",
+                    new["prep_us"],
+                    "us",
+                    target=f"<= {TARGET_PREP_US:g} us" if tgt else None,
+                    met=(new["prep_us"] <= TARGET_PREP_US) if tgt else None,
+                    before_us=before["prep_us"] if before else None,
+                    detail=detail,
+                    key=True,
+                )
+            )
         if before:
             sync_before.append(before.get("sync_error"))
         if new and before:
             diffs.append((new["output"] - before["output"]).abs().max().item())
             if new["enqueue"] and before["enqueue"]:
                 (h_new, _, busy), (h_before, _, _) = new["enqueue"], before["enqueue"]
-                rows.append(row(
-                    NAME, f"{label}: {ENQUEUE_STEPS} steps behind {SLEEP_MS:g} ms GPU sleep", "host enqueue time (new)",
-                    h_new, "ms", target=f"<= {SLEEP_MS / 4:g} ms, GPU still busy",
-                    met=h_new <= SLEEP_MS / 4 and busy, key=True, before_ms=h_before, gpu_busy_after_enqueue=busy,
-                    detail=f"before {h_before:.2f} ms (blocks on torch.tensor); GPU busy after enqueue: {busy}",
-                ))
+                rows.append(
+                    row(
+                        NAME,
+                        f"{label}: {ENQUEUE_STEPS} steps behind {SLEEP_MS:g} ms GPU sleep",
+                        "host enqueue time (new)",
+                        h_new,
+                        "ms",
+                        target=f"<= {SLEEP_MS / 4:g} ms, GPU still busy",
+                        met=h_new <= SLEEP_MS / 4 and busy,
+                        key=True,
+                        before_ms=h_before,
+                        gpu_busy_after_enqueue=busy,
+                        detail=f"before {h_before:.2f} ms (blocks on torch.tensor); GPU busy after enqueue: {busy}",
+                    )
+                )
 
     if md_kernels:
-        bad = [f"{label}: " + (f"{k} kernels + {c} copies" if k is not None else first)
-               for label, k, c, first in md_kernels if (k, c) != (1, 0)]
+        bad = [
+            f"{label}: " + (f"{k} kernels + {c} copies" if k is not None else first)
+            for label, k, c, first in md_kernels
+            if (k, c) != (1, 0)
+        ]
         counted = [k for _, k, _, _ in md_kernels if k is not None]
-        rows.append(row(NAME, f"every case ({len(md_kernels)})", "replay-metadata launches",
-                        max(counted) if counted else None,
-                        "kernels", target="== 1 kernel, 0 copies", met=not bad, key=True,
-                        detail="; ".join(bad) if bad else "1 kernel, 0 copies in every case"))
+        rows.append(
+            row(
+                NAME,
+                f"every case ({len(md_kernels)})",
+                "replay-metadata launches",
+                max(counted) if counted else None,
+                "kernels",
+                target="== 1 kernel, 0 copies",
+                met=not bad,
+                key=True,
+                detail="; ".join(bad) if bad else "1 kernel, 0 copies in every case",
+            )
+        )
     if sync_new:
         raised = [f"{label}: {err}" for label, err in sync_new if err]
         n_before = sum(1 for e in sync_before if e)
-        rows.append(row(NAME, f"every case ({len(sync_new)})", "syncs in prep + replay (new)", len(raised), "cases",
-                        target="0 (set_sync_debug_mode 'error')", met=not raised, key=True,
-                        detail="; ".join(raised) if raised else
-                        f"before path raised in {n_before} of {len(sync_before)} cases, as expected"))
+        rows.append(
+            row(
+                NAME,
+                f"every case ({len(sync_new)})",
+                "syncs in prep + replay (new)",
+                len(raised),
+                "cases",
+                target="0 (set_sync_debug_mode 'error')",
+                met=not raised,
+                key=True,
+                detail="; ".join(raised)
+                if raised
+                else f"before path raised in {n_before} of {len(sync_before)} cases, as expected",
+            )
+        )
     if diffs:
-        rows.append(row(NAME, f"every case ({len(diffs)})", "max |new - before| output", max(diffs), "",
-                        target="<= 1e-2", met=max(diffs) <= 1e-2,
-                        detail="same attention, same KV: the two paths must agree"))
+        rows.append(
+            row(
+                NAME,
+                f"every case ({len(diffs)})",
+                "max |new - before| output",
+                max(diffs),
+                "",
+                target="<= 1e-2",
+                met=max(diffs) <= 1e-2,
+                detail="same attention, same KV: the two paths must agree",
+            )
+        )
     return rows

@@ -93,7 +93,23 @@ ensure_interpreter_compat()
 
 @triton.jit
 def _attend_block(
-    acc, l_i, m_i, q, qk_scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V, kv_stride, kv_col,
+    acc,
+    l_i,
+    m_i,
+    q,
+    qk_scale,
+    start,
+    s_hi,
+    pos,
+    lo,
+    t_row,
+    t_start,
+    table_width,
+    num_slots,
+    K,
+    V,
+    kv_stride,
+    kv_col,
     d_valid,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -250,21 +266,109 @@ def _paged_attention_kernel(
         i1 = tl.minimum(tl.maximum(i1, i0), n_blocks)
         for i in range(0, i0):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+                acc,
+                l_i,
+                m_i,
+                q,
+                qk_scale,
+                s_lo + i * BLOCK_N,
+                s_hi,
+                pos,
+                lo,
+                t_row,
+                t_start,
+                table_width,
+                num_slots,
+                K,
+                V,
+                kv_stride,
+                kv_col,
+                d_valid,
+                BLOCK_N,
+                True,
+                HAS_WINDOW,
+                EVEN_D,
+                PRECISION,
+            )
         for i in range(i0, i1):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION)
+                acc,
+                l_i,
+                m_i,
+                q,
+                qk_scale,
+                s_lo + i * BLOCK_N,
+                s_hi,
+                pos,
+                lo,
+                t_row,
+                t_start,
+                table_width,
+                num_slots,
+                K,
+                V,
+                kv_stride,
+                kv_col,
+                d_valid,
+                BLOCK_N,
+                False,
+                HAS_WINDOW,
+                EVEN_D,
+                PRECISION,
+            )
         for i in range(i1, n_blocks):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+                acc,
+                l_i,
+                m_i,
+                q,
+                qk_scale,
+                s_lo + i * BLOCK_N,
+                s_hi,
+                pos,
+                lo,
+                t_row,
+                t_start,
+                table_width,
+                num_slots,
+                K,
+                V,
+                kv_stride,
+                kv_col,
+                d_valid,
+                BLOCK_N,
+                True,
+                HAS_WINDOW,
+                EVEN_D,
+                PRECISION,
+            )
     else:
         for start in range(s_lo, s_hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION)
+                acc,
+                l_i,
+                m_i,
+                q,
+                qk_scale,
+                start,
+                s_hi,
+                pos,
+                lo,
+                t_row,
+                t_start,
+                table_width,
+                num_slots,
+                K,
+                V,
+                kv_stride,
+                kv_col,
+                d_valid,
+                BLOCK_N,
+                True,
+                HAS_WINDOW,
+                EVEN_D,
+                PRECISION,
+            )
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -322,7 +426,9 @@ def _split_combine_kernel(
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_type: str, index: Optional[int]) -> int:
     if device_type == "cuda":
-        return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+        return torch.cuda.get_device_properties(
+            index if index is not None else torch.cuda.current_device()
+        ).multi_processor_count
     return 8  # interpreter / other devices: a small stand-in
 
 
@@ -372,7 +478,11 @@ def _plan(num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv
         splits = max(1, splits)
     return tuple(
         dict(
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=splits,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            num_splits=splits,
             PHASES=block_m > 16,
         ).items()
     )
@@ -437,8 +547,14 @@ def paged_attention(
         assert table_start.dim() == 1 and table_start.shape[0] >= bs
         assert table_start.dtype in (torch.int32, torch.int64)
     for name, t in (
-        ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("cu_q_lens", cu_q_lens), ("seq_lens", seq_lens),
-        ("table", table), ("table_rows", table_rows), ("table_start", table_start),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("out", out),
+        ("cu_q_lens", cu_q_lens),
+        ("seq_lens", seq_lens),
+        ("table", table),
+        ("table_rows", table_rows),
+        ("table_start", table_start),
     ):
         assert t is None or t.device == device, f"{name} is on {t.device}, q on {device}"
     if window is not None:
@@ -450,8 +566,15 @@ def paged_attention(
         sm_scale = 1.0 / math.sqrt(D)
 
     plan = plan_attention(
-        num_reqs=bs, num_tokens=T, num_kv_heads=hkv, group=G, head_dim=D, max_q_len=max_q_len,
-        max_kv_len=max_kv_len, window=window, num_sms=_num_sms(device.type, device.index),
+        num_reqs=bs,
+        num_tokens=T,
+        num_kv_heads=hkv,
+        group=G,
+        head_dim=D,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+        window=window,
+        num_sms=_num_sms(device.type, device.index),
     )
     if config:
         plan.update(config)
@@ -477,28 +600,59 @@ def paged_attention(
     n_qblocks = triton.cdiv(max(1, max_q_len) * G, plan["BLOCK_M"])
     grid = (n_qblocks, bs * hkv, splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_m, part_l, part_acc,
-        cu_q_lens, seq_lens, table, table_rows,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        cu_q_lens,
+        seq_lens,
+        table,
+        table_rows,
         table_start if table_start is not None else table_rows,
         float(sm_scale) * _LOG2E,
         window if window is not None else 0,
         hkv,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        table.stride(0), table.shape[1], table.shape[0], k_cache.shape[0],
-        G=G, HEAD_DIM=D, BLOCK_D=block_d,
-        BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits,
-        HAS_WINDOW=window is not None, HAS_TABLE_START=table_start is not None,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        table.stride(0),
+        table.shape[1],
+        table.shape[0],
+        k_cache.shape[0],
+        G=G,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        BLOCK_M=plan["BLOCK_M"],
+        BLOCK_N=plan["BLOCK_N"],
+        NUM_SPLITS=splits,
+        HAS_WINDOW=window is not None,
+        HAS_TABLE_START=table_start is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PHASES=bool(plan["PHASES"]),
         PDL=pdl,
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+        num_warps=plan["num_warps"],
+        num_stages=plan["num_stages"],
         **extra,
     )
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
         _split_combine_kernel[(T, H)](
-            part_m, part_l, part_acc, out, H, out.stride(0), out.stride(1),
-            HEAD_DIM=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=block_s, PDL=pdl,
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            H,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=D,
+            BLOCK_D=block_d,
+            NUM_SPLITS=splits,
+            BLOCK_S=block_s,
+            PDL=pdl,
             num_warps=1 if block_s * block_d <= 1024 else 4,
             **extra,
         )

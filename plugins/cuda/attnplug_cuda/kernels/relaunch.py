@@ -24,7 +24,12 @@ class Relaunch:
     __slots__ = ("jit_fn", "grid", "args", "kwargs", "_compiled", "_all", "_driver", "_knobs")
 
     def __init__(self, jit_fn, grid: Tuple[int, ...], args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
-        self.jit_fn, self.grid, self.args, self.kwargs = jit_fn, tuple(grid) + (1,) * (3 - len(grid)), tuple(args), kwargs
+        self.jit_fn, self.grid, self.args, self.kwargs = (
+            jit_fn,
+            tuple(grid) + (1,) * (3 - len(grid)),
+            tuple(args),
+            kwargs,
+        )
         compiled = jit_fn[grid](*self.args, **kwargs)
         self._compiled = compiled if hasattr(compiled, "packed_metadata") else None
         self._all: Tuple[Any, ...] = ()
@@ -46,5 +51,15 @@ class Relaunch:
         stream = active.get_current_stream(active.get_current_device())
         g0, g1, g2 = self.grid
         hooks = self._knobs.runtime
-        ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, ck.launch_metadata(self.grid, stream, *self._all),
-               hooks.launch_enter_hook, hooks.launch_exit_hook, *self._all)
+        ck.run(
+            g0,
+            g1,
+            g2,
+            stream,
+            ck.function,
+            ck.packed_metadata,
+            ck.launch_metadata(self.grid, stream, *self._all),
+            hooks.launch_enter_hook,
+            hooks.launch_exit_hook,
+            *self._all,
+        )

@@ -199,7 +199,9 @@ def step_metadata(
     T = out_cache_loc.shape[0]
     uniform = not isinstance(extend_lens, torch.Tensor)
     if uniform:
-        assert isinstance(extend_lens, int) and extend_lens >= 1, f"extend_lens must be an int >= 1, got {extend_lens!r}"
+        assert isinstance(extend_lens, int) and extend_lens >= 1, (
+            f"extend_lens must be an int >= 1, got {extend_lens!r}"
+        )
         assert T == bs * extend_lens, f"{bs} requests x q_len {extend_lens} != {T} tokens"
         ext_arg, q_uniform = seq_lens, int(extend_lens)  # ExtLens unused when UNIFORM
     else:

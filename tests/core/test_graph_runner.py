@@ -1,0 +1,283 @@
+"""Graph runner over the reference backend with the eager stand-in graph (CPU)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnplug import EagerGraph, ForwardMode, GraphRunner, GraphSupport
+from attnplug.backends.reference import ReferenceBackend
+from attnplug.graphs import GraphCaptureError, default_bucket_sizes
+from attnplug_conformance.harness import World, WorldSpec
+from oracle import assert_close_rel, dense_attention
+
+SPEC = WorldSpec(
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    sliding_window=6,
+    size=512,
+    size_swa=256,
+    max_reqs=12,
+    max_context_len=64,
+)
+
+
+def _prefilled(n_reqs, seed=3):
+    world = World(SPEC, ReferenceBackend, "cpu", seed=seed)
+    reqs = [world.new_request() for _ in range(n_reqs)]
+    step = world.plan(ForwardMode.EXTEND, reqs, [4 + 3 * i for i in range(n_reqs)])
+    world.run_eager(step)
+    world.commit(step)
+    for r in reqs:
+        world.evict(r)
+    return world, reqs
+
+
+def test_default_buckets():
+    assert default_bucket_sizes(1) == (1,)
+    assert default_bucket_sizes(5) == (1, 2, 4, 5)
+    assert default_bucket_sizes(80) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80)
+
+
+@pytest.mark.parametrize(
+    "mode,ndt", [(ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 3)]
+)
+@pytest.mark.parametrize("n_reqs", [3, 4, 6], ids=["padded", "exact", "eager-fallback"])
+def test_replay_equals_eager_and_dense(mode, ndt, n_reqs):
+    world, reqs = _prefilled(n_reqs)
+    runner = world.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[1, 2, 4])
+    step = world.plan(mode, reqs, num_draft_tokens=ndt)
+    replayed = runner.run(step.batch, step.inputs).clone()
+    assert (runner.bucket_for(step.batch) is None) == (n_reqs > 4)
+    eager = world.run_eager(step)  # rewrites the same k/v at the same slots
+    assert_close_rel(replayed, eager.double().cpu(), 1e-6, "replay vs eager")
+    world.commit(step)
+    for layer in range(SPEC.num_layers):
+        window = SPEC.sliding_window if world.pool.is_swa_layer(layer) else None
+        assert_close_rel(replayed[:, layer], dense_attention(step, layer, num_heads=8, window=window), 2e-5)
+
+
+def test_swa_buffer_translated_tail_zero_and_static():
+    world, reqs = _prefilled(4)
+    runner = world.graph_runner(max_bs=4, bucket_sizes=[2, 4])
+    buf = world.backend.cuda_graph_swa_out_cache_loc
+    assert buf.dtype == torch.int32 and buf.shape == (runner.max_num_tokens,)
+    ptr = buf.data_ptr()
+    step = world.plan(ForwardMode.DECODE, reqs)  # 4 tokens
+    runner.run(step.batch, step.inputs)
+    world.commit(step)
+    expected = world.pool.translate_loc_from_full_to_swa(step.batch.out_cache_loc)
+    assert torch.equal(buf[:4], expected) and (buf[:4] > 0).all()
+    step = world.plan(ForwardMode.DECODE, reqs[:1])  # 1 token, bucket 2: tail must be zeroed
+    runner.run(step.batch, step.inputs)
+    assert torch.equal(buf[:1], world.pool.translate_loc_from_full_to_swa(step.batch.out_cache_loc))
+    assert (buf[1:] == 0).all()
+    assert world.backend.cuda_graph_swa_out_cache_loc.data_ptr() == ptr
+
+
+def _count_translations(pool):
+    calls = []
+    original = pool.translate_loc_from_full_to_swa
+
+    def counting(loc):
+        calls.append(loc.shape[0])
+        return original(loc)
+
+    pool.translate_loc_from_full_to_swa = counting
+    return calls
+
+
+@pytest.mark.parametrize("path", ["eager", "replay", "fallback"])
+def test_one_translation_per_step(path):
+    world, reqs = _prefilled(3)
+    runner = world.graph_runner(max_bs=2 if path == "fallback" else 4, bucket_sizes=None)
+    calls = _count_translations(world.pool)
+    for _ in range(3):
+        step = world.plan(ForwardMode.DECODE, reqs)
+        before = len(calls)
+        if path == "eager":
+            world.run_eager(step)
+        else:
+            runner.run(step.batch, step.inputs)
+        assert len(calls) - before == 1, f"{SPEC.num_layers}-layer step translated {len(calls) - before} times"
+        world.commit(step)
+
+
+def test_runner_rejects_modes_the_backend_cannot_capture():
+    world, _ = _prefilled(1)
+    with pytest.raises(ValueError, match="cannot capture"):
+        GraphRunner(world.backend, world.step_fn, max_bs=2, inputs=world.input_shapes(), modes=[ForwardMode.EXTEND])
+
+
+# ---------------------------------------------------------------- capture failures
+class _RaisesAtCaptureEnd(EagerGraph):
+    """Runs the step, then fails as a device graph can when its capture ends (instantiation)."""
+
+    def capture(self, fn):
+        super().capture(fn)
+        raise RuntimeError("graph instantiation failed")
+
+
+def _failing_runner(world, failure, ndt=3):
+    """A runner whose DECODE bucket 2 fails to capture (buckets go largest first: 4, 2, 1)."""
+    made = []
+    if failure == "graph-raises-at-capture-end":
+        world.backend.new_graph = lambda: (made.append(1), _RaisesAtCaptureEnd() if len(made) == 2 else EagerGraph())[1]
+        step, why = world.step_fn, "graph instantiation failed"
+    else:
+
+        def step(batch, inputs):
+            if batch.forward_mode is ForwardMode.DECODE and batch.batch_size == 2 and not made:
+                made.append(1)
+                raise RuntimeError("step failed inside capture")
+            return world.step_fn(batch, inputs)
+
+        why = "step failed inside capture"
+    runner = GraphRunner(
+        world.backend,
+        step,
+        max_bs=4,
+        inputs=world.input_shapes(),
+        num_draft_tokens=ndt,
+        bucket_sizes=[1, 2, 4],
+        modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY],
+    )
+    return runner, why
+
+
+@pytest.mark.parametrize("failure", ["step-raises-in-capture", "graph-raises-at-capture-end"])
+def test_a_failed_bucket_leaves_the_runner_usable_and_replay_equal_to_eager(failure, caplog):
+    world, reqs = _prefilled(4)
+    runner, why = _failing_runner(world, failure)
+    with caplog.at_level("WARNING", logger="attnplug.graphs.runner"):
+        failures = runner.capture()
+    key = (ForwardMode.DECODE, 2)
+    assert set(failures) == {key} and why in failures[key] and runner.capture_failures == failures
+    assert "DECODE/bs=2" in caplog.text and why in caplog.text
+    assert set(runner.graphs) == {(m, b) for m in runner.modes for b in (1, 2, 4)} - {key}
+    assert runner.status()["failed"] == {"DECODE/bs=2": failures[key]}
+    for mode, ndt in [(ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 3)]:
+        for n in (1, 2, 3, 4):
+            step = world.plan(mode, reqs[:n], num_draft_tokens=ndt)
+            expected_bucket = 4 if (mode, n) == (ForwardMode.DECODE, 2) else {1: 1, 2: 2, 3: 4, 4: 4}[n]
+            assert runner.bucket_for(step.batch) == expected_bucket
+            replayed = runner.run(step.batch, step.inputs).clone()
+            eager = world.run_eager(step)
+            assert_close_rel(replayed, eager.double().cpu(), 1e-6, f"{mode.name} bs={n}")
+            world.commit(step)
+            for r in reqs[:n]:
+                world.evict(r)
+
+
+def test_strict_capture_raises_after_trying_every_bucket():
+    world, _ = _prefilled(2)
+    runner, why = _failing_runner(world, "graph-raises-at-capture-end")
+    with pytest.raises(GraphCaptureError, match="DECODE/bs=2") as raised:
+        runner.capture(strict=True)
+    assert set(raised.value.failures) == {(ForwardMode.DECODE, 2)}
+    assert len(runner.graphs) == 5  # the other buckets were still captured
+
+
+def test_status_before_and_after_capture():
+    world, _ = _prefilled(1)
+    runner = world.graph_runner(max_bs=2, bucket_sizes=[1, 2], capture=False)
+    status = runner.status()
+    assert {k: status[k] for k in ("backend", "capture_ran", "device_graphs", "captured", "failed", "eager_modes")} == {
+        "backend": "reference",
+        "capture_ran": False,
+        "device_graphs": False,
+        "captured": [],
+        "failed": {},
+        "eager_modes": ["DECODE"],
+    }
+    assert set(status["not_captured"]) == {"EXTEND", "IDLE", "TARGET_VERIFY", "DRAFT_EXTEND"}
+    assert "num_draft_tokens" in status["not_captured"]["TARGET_VERIFY"] and status["eager_runs"] == {}
+    runner.capture()
+    assert runner.status()["captured"] == ["DECODE/bs=1", "DECODE/bs=2"] and runner.status()["eager_modes"] == []
+
+
+# ---------------------------------------------------------------- never silently eager
+def test_first_step_of_a_captured_mode_captures(caplog):
+    world, reqs = _prefilled(3)
+    runner = world.graph_runner(max_bs=4, bucket_sizes=[2, 4], capture=False)
+    extend = world.plan(ForwardMode.EXTEND, reqs[:1], [2])
+    with caplog.at_level("INFO", logger="attnplug.graphs.runner"):
+        runner.run(extend.batch, extend.inputs)  # EXTEND is never captured: no capture yet
+        assert not runner.capture_ran and runner.graphs == {}
+        world.commit(extend)
+        step = world.plan(ForwardMode.DECODE, reqs)
+        assert "capture() has not run yet" in runner.why_eager(step.batch)
+        replayed = runner.run(step.batch, step.inputs).clone()
+    assert runner.capture_ran and set(runner.graphs) == {(ForwardMode.DECODE, 2), (ForwardMode.DECODE, 4)}
+    assert runner.why_eager(step.batch) is None and "capturing on first use" in caplog.text
+    assert runner.status()["eager_runs"] == {"EXTEND": {"steps": 1, "why": runner.why_eager(extend.batch)}}
+    assert runner.status()["eager_runs"].keys() == {"EXTEND"}  # the DECODE step replayed
+    eager = world.run_eager(step)
+    assert_close_rel(replayed, eager.double().cpu(), 1e-6, "first-use replay vs eager")
+
+
+def test_eager_steps_say_why_and_are_logged_once(caplog):
+    world, reqs = _prefilled(4)
+    runner = world.graph_runner(max_bs=2, bucket_sizes=[1, 2], num_draft_tokens=2)
+    decode = world.plan(ForwardMode.DECODE, reqs)
+    with caplog.at_level("INFO", logger="attnplug.graphs.runner"):
+        for _ in range(2):
+            runner.run(decode.batch, decode.inputs)
+        extend = world.plan(ForwardMode.EXTEND, reqs[:1], [1])
+        runner.run(extend.batch, extend.inputs)
+    why = runner.why_eager(decode.batch)
+    assert "batch_size 4 exceeds the largest captured DECODE bucket 2" in why
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and why in warnings[0].getMessage()
+    infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert any("EXTEND" in m and "same number of new tokens" in m for m in infos)
+    assert runner.status()["eager_runs"]["DECODE"] == {"steps": 2, "why": why}
+    other = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=3)
+    assert "num_draft_tokens=3, the graphs are captured for num_draft_tokens=2" in runner.why_eager(other.batch)
+
+
+def test_a_mode_whose_every_capture_failed_says_so():
+    world, reqs = _prefilled(1)
+
+    def step(batch, inputs):
+        if batch.forward_mode is ForwardMode.DECODE:
+            raise RuntimeError("no DECODE graph here")
+        return world.step_fn(batch, inputs)
+
+    runner = GraphRunner(world.backend, step, max_bs=2, inputs=world.input_shapes(), bucket_sizes=[1, 2])
+    runner.capture()
+    decode = world.plan(ForwardMode.DECODE, reqs)
+    assert "every DECODE capture failed" in runner.why_eager(decode.batch)
+    assert "no DECODE graph here" in runner.why_eager(decode.batch)
+
+
+class _NeverGraphs(ReferenceBackend):
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), graphs=GraphSupport.NEVER)
+
+
+def test_a_backend_without_graphs_is_reported_at_construction(caplog):
+    world = World(SPEC, _NeverGraphs, "cpu", seed=5)
+    reqs = world.prefill([3, 5])
+    with caplog.at_level("WARNING", logger="attnplug.graphs.runner"):
+        runner = world.graph_runner(max_bs=2, num_draft_tokens=2, capture=False)
+    assert "graphs=NEVER: every step runs eagerly" in caplog.text
+    assert runner.modes == () and set(runner.status()["not_captured"]) == {m.name for m in ForwardMode}
+    step = world.plan(ForwardMode.DECODE, reqs)
+    out = runner.run(step.batch, step.inputs)
+    assert not runner.capture_ran and "graphs=NEVER" in runner.why_eager(step.batch)
+    assert_close_rel(out, world.run_eager(step).double().cpu(), 1e-6, "eager through the runner")
+
+
+def test_speculative_modes_without_num_draft_tokens_are_refused():
+    world, _ = _prefilled(1)
+    with pytest.raises(ValueError, match="need num_draft_tokens"):
+        GraphRunner(
+            world.backend,
+            world.step_fn,
+            max_bs=2,
+            inputs=world.input_shapes(),
+            modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY],
+        )

@@ -1,0 +1,365 @@
+"""paged_attention against a float64 dense masked softmax, for every mode.
+
+Each case builds per-request K/V histories, scatters them into a full cache (through
+``req_to_token``) and into an SWA cache (through ``full_to_swa_index_mapping``; positions
+the window can no longer reach hold NaN there, so reading one would show), builds the step's
+tables with ``step_metadata`` and runs the kernel as a full layer (``table=req_to_token``)
+or as an SWA layer (``table=swa_window_table``, ``table_start=window_start``).
+"""
+
+import math
+from typing import List, Optional
+
+import pytest
+import torch
+
+from attnplug_cuda.kernels import load_kernels, pdl_supported  # noqa: E402
+from attnplug_cuda.kernels.interpret import use_interpreter  # noqa: E402
+
+if not torch.cuda.is_available():
+    use_interpreter()  # before triton is imported (tests/conftest.py also arranges this)
+pytest.importorskip("triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PDL_MODES = [False, True] if pdl_supported(DEVICE)[0] else [False]
+K = load_kernels()
+from attnplug_cuda.kernels.paged_attention import plan_attention  # noqa: E402
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
+PAD = -1  # a seq_len entry of PAD marks a padded request: seq_len 1, req row 0
+
+
+def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale):
+    """float64 dense masked softmax; a query with no valid key gives zeros."""
+    T, H, D = q.shape
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    qd = q.cpu().double()
+    t = 0
+    for kh, vh, n, s in zip(hist_k, hist_v, q_lens, seq_lens):
+        hkv = kh.shape[1]
+        kk = kh.double().repeat_interleave(H // hkv, dim=1)
+        vv = vh.double().repeat_interleave(H // hkv, dim=1)
+        for i in range(n):
+            p = s - n + i
+            lo = 0 if window is None else max(0, p - window + 1)
+            if p >= 0:
+                logits = torch.einsum("hd,jhd->hj", qd[t], kk[lo : p + 1]) * sm_scale
+                out[t] = torch.einsum("hj,jhd->hd", torch.softmax(logits, -1), vv[lo : p + 1])
+            t += 1
+    return out
+
+
+def run_case(
+    q_lens: List[int],
+    seq_lens: List[int],
+    *,
+    H: int,
+    Hkv: int,
+    D: int,
+    dtype=torch.float16,
+    window: Optional[int] = None,
+    layer: str = "full",
+    config: Optional[dict] = None,
+    pdl: bool = False,
+    seed: int = 0,
+    check: bool = True,
+):
+    g = torch.Generator().manual_seed(seed)
+    bs = len(q_lens)
+    padded = [s == PAD for s in seq_lens]
+    seq = [1 if p else s for p, s in zip(padded, seq_lens)]
+    size = sum(s for s, p in zip(seq, padded) if not p) + 8
+    max_ctx = max(seq) + 3
+    # full pool: slot 0 is the sink (zeros: padded tokens' junk is finite)
+    k_full = torch.zeros(size, Hkv, D, dtype=dtype)
+    v_full = torch.zeros(size, Hkv, D, dtype=dtype)
+    k_swa = torch.full((size, Hkv, D), float("nan"), dtype=dtype)
+    v_swa = torch.full((size, Hkv, D), float("nan"), dtype=dtype)
+    k_swa[0] = 0
+    v_swa[0] = 0
+    mapping = torch.zeros(size + 2, dtype=torch.int32)
+    mapping[1:size] = (torch.randperm(size - 1, generator=g) + 1).int()
+    mapping[-1] = -1
+    req_to_token = torch.zeros(bs + 2, max_ctx, dtype=torch.int32)
+    rows = (torch.randperm(bs + 1, generator=g)[:bs] + 1).tolist()  # shuffled, never row 0
+    free = (torch.randperm(size - 1, generator=g) + 1).tolist()
+    hist_k, hist_v, locs = [], [], []
+    for b in range(bs):
+        s, n = seq[b], q_lens[b]
+        if padded[b]:
+            rows[b] = 0
+            hist_k.append(torch.zeros(1, Hkv, D, dtype=dtype))
+            hist_v.append(torch.zeros(1, Hkv, D, dtype=dtype))
+            locs.append(torch.zeros(n, dtype=torch.int64))
+            continue
+        slots = torch.tensor([free.pop() for _ in range(s)])
+        req_to_token[rows[b], :s] = slots.int()
+        kh = torch.randn(s, Hkv, D, generator=g).to(dtype)
+        vh = torch.randn(s, Hkv, D, generator=g).to(dtype)
+        hist_k.append(kh)
+        hist_v.append(vh)
+        k_full[slots], v_full[slots] = kh, vh
+        reach = 0 if window is None else max(0, s - n - window + 1)  # first position any query sees
+        swa_slots = mapping[slots].long()
+        k_swa[swa_slots[reach:]], v_swa[swa_slots[reach:]] = kh[reach:], vh[reach:]
+        locs.append(slots[s - n :])
+    T = sum(q_lens)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    rpi = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+    seq_t = torch.tensor(seq, dtype=torch.int32, device=DEVICE)
+    max_q = max(q_lens)
+    width = max_q + (window - 1 if window is not None else max_ctx)
+    cu = torch.empty(bs + 1, dtype=torch.int32, device=DEVICE)
+    ws = torch.empty(bs, dtype=torch.int32, device=DEVICE)
+    table = torch.empty(bs, width, dtype=torch.int32, device=DEVICE)
+    K.step_metadata(
+        rpi,
+        seq_t,
+        torch.tensor(q_lens, device=DEVICE),
+        to(torch.cat(locs)),
+        cu_q_lens=cu,
+        window_start=ws,
+        token_pos=torch.empty(T, dtype=torch.int32, device=DEVICE),
+        full_to_swa_index_mapping=to(mapping),
+        swa_out_cache_loc=torch.empty(T, dtype=torch.int32, device=DEVICE),
+        req_to_token=to(req_to_token),
+        swa_window_table=table if window is not None else None,
+        window=window,
+    )
+    out = torch.full((T, H, D), float("nan"), dtype=dtype, device=DEVICE)
+    common = dict(cu_q_lens=cu, seq_lens=seq_t, max_q_len=max_q, window=window, config=config, pdl=pdl)
+    if layer == "full":
+        K.paged_attention(
+            to(q), to(k_full), to(v_full), out, table=to(req_to_token), table_rows=rpi, max_kv_len=max_ctx, **common
+        )
+    else:
+        assert window is not None
+        K.paged_attention(
+            to(q),
+            to(k_swa),
+            to(v_swa),
+            out,
+            table=table,
+            table_rows=torch.arange(bs, dtype=torch.int32, device=DEVICE),
+            table_start=ws,
+            max_kv_len=max_ctx,
+            **common,
+        )
+    want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D))
+    if check:
+        got = out.cpu().double()
+        assert torch.isfinite(got).all(), "non-finite output"
+        err = (got - want).norm() / want.norm().clamp_min(1e-30)
+        assert err <= TOL[dtype], f"relative error {err:.3e} > {TOL[dtype]:.0e}"
+    return out, want
+
+
+@pytest.mark.parametrize(
+    "H,Hkv,D,dtype,layer,window",
+    [
+        (2, 2, 64, torch.float16, "full", None),  # GQA ratio 1
+        (8, 2, 128, torch.bfloat16, "full", None),  # GQA ratio 4
+        (8, 2, 64, torch.float16, "swa", 16),
+        (4, 1, 128, torch.bfloat16, "swa", 5),
+        (8, 2, 64, torch.float16, "full", 16),  # a window over the full table
+    ],
+)
+def test_decode(H, Hkv, D, dtype, layer, window):
+    out, want = run_case([1] * 4, [PAD, 9, 37, 70], H=H, Hkv=Hkv, D=D, dtype=dtype, layer=layer, window=window)
+    assert (out[0] == 0).all()  # the padded request (seq_len 1, row 0) reads the zero sink
+
+
+@pytest.mark.parametrize("window", [None, 1, 8, 40])
+@pytest.mark.parametrize("H,Hkv", [(2, 2), (8, 2)])
+def test_extend_with_prefix(window, H, Hkv):
+    layer = "full" if window is None else "swa"
+    run_case([5, 1, 12, 7], [5, 30, 40, 27], H=H, Hkv=Hkv, D=64, window=window, layer=layer, seed=window or 0)
+
+
+@pytest.mark.parametrize("window", [3, 13, 1000])  # smaller than, equal to, larger than a sequence
+def test_target_verify(window):
+    out, _ = run_case(
+        [4, 4, 4], [13, PAD, 30], H=8, Hkv=2, D=128, dtype=torch.bfloat16, window=window, layer="swa", seed=1
+    )
+    # padded request: positions -3..0; the three queries with no key give zeros, never NaN
+    assert (out[4:7] == 0).all() and torch.isfinite(out).all()
+
+
+def test_target_verify_full_layer_via_req_to_token():
+    run_case([4, 4], [6, 21], H=4, Hkv=4, D=64, layer="full", seed=2)
+
+
+def test_long_extend_uses_large_tiles():
+    plan = plan_attention(
+        num_reqs=2,
+        num_tokens=60,
+        num_kv_heads=2,
+        group=4,
+        head_dim=64,
+        max_q_len=40,
+        max_kv_len=100,
+        window=None,
+        num_sms=8,
+    )
+    assert plan["BLOCK_M"] == 128
+    run_case([40, 20], [60, 20], H=8, Hkv=2, D=64, layer="full", seed=3)
+    run_case([40, 20], [60, 20], H=8, Hkv=2, D=64, window=24, layer="swa", seed=4)
+
+
+@pytest.mark.parametrize("layer,window", [("full", None), ("swa", 50)])
+def test_split_kv_and_combine(layer, window):
+    """Forced flash-decoding splits, with empty splits for the short requests."""
+    cfg = {"num_splits": 3, "BLOCK_N": 16}
+    run_case([1, 1, 2], [PAD, 80, 45], H=8, Hkv=2, D=64, window=window, layer=layer, config=cfg, seed=5)
+
+
+def test_heuristic_splits_a_small_batch():
+    plan = plan_attention(
+        num_reqs=1,
+        num_tokens=1,
+        num_kv_heads=1,
+        group=4,
+        head_dim=64,
+        max_q_len=1,
+        max_kv_len=600,
+        window=None,
+        num_sms=8,
+    )
+    assert plan["num_splits"] == 3 and plan["BLOCK_M"] == 16
+    run_case([1], [600], H=4, Hkv=1, D=64, seed=6)
+
+
+def test_fp32():
+    run_case([2, 1], [9, 20], H=4, Hkv=2, D=64, dtype=torch.float32, window=6, layer="swa", seed=8)
+
+
+def test_head_dim_256():
+    run_case([1, 3], [20, 9], H=4, Hkv=2, D=256, window=7, layer="swa", seed=9)
+
+
+@pytest.mark.skipif(len(PDL_MODES) < 2, reason="PDL needs a GPU of compute capability >= 9.0")
+def test_pdl_matches_non_pdl():
+    args = ([1, 4, 2], [50, 200, 9])
+    kw = dict(H=8, Hkv=2, D=128, dtype=torch.bfloat16, window=64, layer="swa", seed=10, check=False)
+    for cfg in (None, {"num_splits": 4}):
+        a, _ = run_case(*args, pdl=False, config=cfg, **kw)
+        b, _ = run_case(*args, pdl=True, config=cfg, **kw)
+        assert torch.equal(a, b)
+
+
+def test_plan_fills_an_h200_for_swa_decode():
+    """bs=64, 8 kv heads, window 4096: at least a full wave of programs on 132 SMs, and the
+    workspace bound covers every plan it can produce."""
+    plan = plan_attention(
+        num_reqs=64,
+        num_tokens=64,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        max_q_len=1,
+        max_kv_len=32768,
+        window=4096,
+        num_sms=132,
+    )
+    assert 64 * 8 * plan["num_splits"] >= 132
+    for bs in (1, 2, 7, 64, 300):
+        for q_len in (1, 4):
+            p = plan_attention(
+                num_reqs=bs,
+                num_tokens=bs * q_len,
+                num_kv_heads=8,
+                group=4,
+                head_dim=128,
+                max_q_len=q_len,
+                max_kv_len=32768,
+                window=None,
+                num_sms=132,
+            )
+            if p["num_splits"] > 1:
+                need = bs * q_len * 32 * p["num_splits"] * (128 + 2)
+                assert need <= K.workspace_numel(bs * q_len, 32, 128)
+
+
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,window,splits",
+    [
+        # one request per residue of the lengths modulo BLOCK_N, so that every block edge lands
+        # on a query position and on a window start somewhere
+        ([1] * 17, [PAD] + list(range(40, 56)), 21, 1),  # decode
+        ([2] * 16, list(range(40, 56)), 21, 1),  # verify
+        ([2] * 16, list(range(40, 56)), 21, 2),  # verify, split KV
+        ([5] * 16, list(range(40, 56)), None, 1),  # short extends
+        ([5] * 16, list(range(40, 56)), 19, 1),
+        ([30, 9, 17, 5], [70, 9, 64, 37], None, 1),  # extend: diagonal and whole interior blocks
+        ([30, 9, 17, 5], [70, 41, 64, 37], 17, 3),
+    ],
+)
+def test_unmasked_interior_blocks(q_lens, seq_lens, window, splits):
+    """The loop split into masked edge blocks and unmasked interior blocks (PHASES, the
+    default for large tiles) is exact at every block edge; the other tests cover the single
+    masked loop."""
+    cfg = {"PHASES": True, "BLOCK_N": 16, "num_splits": splits}
+    layer = "full" if window is None else "swa"
+    run_case(q_lens, seq_lens, H=4, Hkv=2, D=64, window=window, layer=layer, config=cfg, seed=11)
+
+
+def _dense(q, k, v, keep, sm_scale):
+    """float64 attention of each query row over the key positions ``keep[t]`` (a list)."""
+    T, H, D = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        if keep[t]:
+            kk = k[keep[t]].double().repeat_interleave(G, dim=1)
+            vv = v[keep[t]].double().repeat_interleave(G, dim=1)
+            p = torch.softmax(torch.einsum("hd,jhd->hj", q[t].double(), kk) * sm_scale, -1)
+            out[t] = torch.einsum("hj,jhd->hd", p, vv)
+    return out
+
+
+@pytest.mark.parametrize("q_len,phases", [(1, False), (16, True)], ids=["decode", "extend-interior"])
+def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases):
+    """Table entries outside [1, S) (the sink 0, -1 "no slot", garbage >= S) inside a request's
+    range are no keys: nothing outside the cache is read, and the sink's NaN / Inf and the
+    free slots' NaN never reach an output (masked loads, not a multiplication by zero). A
+    table row outside the table reads row 0: no key, zeros."""
+    H, Hkv, D, S, seq = 4, 2, 64, 512, 200
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.full((S, Hkv, D), float("nan"), dtype=torch.float16)  # free slots: NaN
+    v_cache = torch.full((S, Hkv, D), float("nan"), dtype=torch.float16)
+    k_cache[0], v_cache[0] = float("inf"), float("nan")  # the sink
+    slots = torch.randperm(S - 1, generator=g)[:seq] + 1
+    k_cache[slots] = torch.randn(seq, Hkv, D, generator=g).half()
+    v_cache[slots] = torch.randn(seq, Hkv, D, generator=g).half()
+    table = torch.zeros(3, 256, dtype=torch.int32)
+    table[1, :seq] = slots.int()
+    holes = {10: 0, 70: -1, 90: S + 9, 120: -(2**30)}
+    for p, s in holes.items():
+        table[1, p] = s
+    table[1, seq:] = -1  # past seq_len: never read either
+    q = torch.randn(2 * q_len, H, D, generator=g).half()
+    keep = [[p for p in range(seq - q_len + i + 1) if p not in holes] for i in range(q_len)] + [[]] * q_len
+    want = _dense(
+        q.float(), k_cache.float(), v_cache.float(), [[int(table[1, p]) for p in ks] for ks in keep], 1.0 / math.sqrt(D)
+    )
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    out = torch.full_like(to(q), float("nan"))
+    K.paged_attention(
+        to(q),
+        to(k_cache),
+        to(v_cache),
+        out,
+        cu_q_lens=to(torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)),
+        seq_lens=to(torch.tensor([seq, seq], dtype=torch.int32)),
+        table=to(table),
+        table_rows=to(torch.tensor([1, -1], dtype=torch.int64)),  # -1: outside the table
+        max_q_len=q_len,
+        max_kv_len=256,
+        config={"PHASES": phases},
+    )
+    got = out.cpu().double()
+    assert torch.isfinite(got).all(), "a masked column leaked NaN/Inf into an output"
+    err = (got - want).norm() / want.norm()
+    assert err <= TOL[torch.float16], f"relative error {err:.3e}"
+    assert (got[q_len:] == 0).all()  # the request whose row is outside the table reads nothing
