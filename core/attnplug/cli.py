@@ -306,12 +306,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     # The harness (and the suite a plugin ships) is imported only when this subcommand runs.
     from attnplug import registry
     from attnplug.bench import SuiteUnavailable, run_suite, suite_for
-    from attnplug.soak.selection import SoakSelectionError, resolve_backend
+    from attnplug.selection import SelectionError, resolve_backend
 
     try:
         spec = args.backend or registry.get_registry().select()[0]
-        cls, device = resolve_backend(spec, args.device)
-    except (registry.RegistryError, SoakSelectionError) as exc:
+        resolved = resolve_backend(spec, args.device)
+        cls, device = resolved.cls, resolved.device
+    except (registry.RegistryError, SelectionError) as exc:
         return fail(str(exc))
     except (RuntimeError, ValueError) as exc:  # torch.device() of a malformed --device
         return fail(f"--device {args.device!r}: {exc}")

@@ -30,9 +30,9 @@ def _child(argv: List[str]) -> int:
     suite = importlib.import_module(args.suite).SUITE
     backend_cls = None
     if args.backend:
-        from ..soak.selection import resolve_backend
+        from ..selection import resolve_backend
 
-        backend_cls, _ = resolve_backend(args.backend, args.device)
+        backend_cls = resolve_backend(args.backend, args.device).cls
     ctx = Ctx(
         backend_cls=backend_cls,
         device=torch.device(args.device),

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from ..selection import SelectionError, resolve_backend
 from .config import DEFAULT_TOLERANCE, DTYPES, SoakConfig, command_line
 from .report import ModeFigures, SoakFailure, SoakReport
-from .selection import SoakSelectionError, resolve_backend
 from .simulation import Soak, SoakSetupError
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
     "ModeFigures",
     "Soak",
     "SoakSetupError",
-    "SoakSelectionError",
+    "SelectionError",
     "resolve_backend",
     "DEFAULT_TOLERANCE",
     "DTYPES",
@@ -32,14 +32,15 @@ __all__ = [
 
 def run_soak(config: SoakConfig, *, backend_cls=None, log: Optional[Callable[[str], None]] = print) -> SoakReport:
     """Run ``config`` and return its report. ``backend_cls`` overrides ``config.backend``
-    (the device is then ``config.device`` or the host). Raises ``SoakSelectionError`` /
+    (the device is then ``config.device`` or the host). Raises ``SelectionError`` /
     ``SoakSetupError`` / ``ValueError`` before the first step when the run cannot start;
     failures during the run are in the report, never raised. Torch runs with
     ``config.threads`` host threads meanwhile (restored afterwards)."""
     import torch
 
     if backend_cls is None:
-        backend_cls, device = resolve_backend(config.backend, config.device)
+        resolved = resolve_backend(config.backend, config.device)
+        backend_cls, device = resolved.cls, resolved.device
     else:
         device = torch.device(config.device or "cpu")
     threads = torch.get_num_threads()

@@ -169,15 +169,15 @@ def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..cli import fail
+    from ..selection import SelectionError
     from . import run_soak
-    from .selection import SoakSelectionError
     from .simulation import SoakSetupError
 
     config = config_from_args(args)
     try:
         config.check()
         report = run_soak(config, log=lambda line: print(line, flush=True))
-    except (SoakSelectionError, SoakSetupError, ValueError) as exc:
+    except (SelectionError, SoakSetupError, ValueError) as exc:
         return fail(str(exc))
     console = Console(width=140) if not sys.stdout.isatty() else Console()
     report.print_summary(console)
