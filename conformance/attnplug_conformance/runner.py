@@ -469,9 +469,10 @@ def run_conformance(
             path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")
         console.print(Text(f"report written to {path}"))
+    label = "conformance (quick profile)" if "--attnplug-quick" in pytest_args else "conformance"
     console.print(
         Text(
-            "conformance: PASSED" if exit_code == 0 else "conformance: FAILED",
+            f"{label}: PASSED" if exit_code == 0 else f"{label}: FAILED",
             style="bold green" if exit_code == 0 else "bold red",
         )
     )

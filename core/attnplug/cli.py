@@ -264,6 +264,7 @@ def _run_conformance(args: argparse.Namespace) -> int:
         junitxml=args.junitxml,
         device=args.device,
         thorough=args.thorough,
+        pytest_args=["--attnplug-quick"] if args.quick else [],
     )
 
 
@@ -297,6 +298,12 @@ def _add_conformance(subparsers) -> None:
         action="store_true",
         help="also run every combination of the declared dtypes, head dims and page sizes "
         "(slower; the default runs each declared value)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the suite's first round and every declared shape once (a smoke pass in seconds; "
+        "a backend passes conformance only with the whole suite)",
     )
     parser.set_defaults(func=_run_conformance)
 

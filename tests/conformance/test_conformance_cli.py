@@ -129,3 +129,9 @@ def test_attnplug_backend_selects_the_backend_to_test(monkeypatch, capsys):
     monkeypatch.setenv("ATTNPLUG_BACKEND", "no_such_backend")
     assert main(["conformance", "-k", "check_swa_buffer_contract"]) == 2
     assert "unknown backend 'no_such_backend'" in capsys.readouterr().err
+
+
+def test_quick_profile_says_so(capsys):
+    assert main(["conformance", "--backend", "reference", "--quick", "-k", "check_swa_buffer_contract"]) == 0
+    out = capsys.readouterr().out
+    assert "conformance (quick profile): PASSED" in out
