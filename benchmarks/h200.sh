@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 proof run, in two stages (each under 10 minutes):
+# The H200 proof run, in stages that each take under 10 minutes:
 #   bash benchmarks/h200.sh check   # install, conformance on cuda, PDL proof, compute-sanitizer
 #   bash benchmarks/h200.sh bench   # benchmarks (attnplug bench --backend cuda): table, JSON, PNG plots
 #   bash benchmarks/h200.sh trust   # GPU tests, conformance on cuda, the engine-loop example
