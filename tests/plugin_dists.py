@@ -6,9 +6,11 @@ installed ones are, plus stand-in backend classes.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import itertools
 import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -198,3 +200,28 @@ class AbstractStandIn(AttentionBackend):
 
 class NotABackend:
     pass
+
+
+def _can_build_without_isolation() -> bool:
+    """setuptools >= 70.1 builds wheels by itself; older ones need the wheel package."""
+    from attnplug.versions import at_least, installed_version
+
+    setuptools = installed_version("setuptools")
+    return setuptools is not None and (at_least(setuptools, (70, 1)) or importlib.util.find_spec("wheel") is not None)
+
+
+def install_plugins(sources: Iterable[Path], tmp: Path) -> Dict[str, str]:
+    """``pip install --no-deps --target tmp/site`` the plugin source folders, write the attnplug
+    distribution's own entry points into ``tmp/meta`` (as an install writes them) and return
+    the environment (no ``ATTNPLUG_*`` flags) in which a subprocess sees both."""
+    site, meta = tmp / "site", tmp / "meta"
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"]
+    cmd += ["--target", str(site)]
+    if _can_build_without_isolation():
+        cmd += ["--no-build-isolation", "--no-index"]
+    out = subprocess.run(cmd + [str(p) for p in sources], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    write_project_metadata(meta)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPLUG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(meta)] + [str(p) for p in PROJECT_PATHS])
+    return env

@@ -9,11 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from test_third_party_plugin import _can_build_without_isolation
 
 from attnplug import cli
 from attnplug.scaffold import TEMPLATES, ScaffoldError, plugin_names, write_plugin
-from plugin_dists import PROJECT_PATHS, write_project_metadata
+from plugin_dists import install_plugins
 
 NAME = "scaffolded"
 
@@ -55,26 +54,7 @@ def test_the_generated_plugin_has_the_one_plugin_shape(tmp_path, capsys):
 def test_the_generated_plugin_installs_and_passes_conformance(tmp_path):
     root = tmp_path / "src"
     write_plugin(NAME, root)
-    site = tmp_path / "site"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-deps",
-        "--target",
-        str(site),
-    ]
-    if _can_build_without_isolation():
-        cmd += ["--no-build-isolation", "--no-index"]
-    out = subprocess.run(cmd + [str(root)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    meta = tmp_path / "meta"
-    write_project_metadata(meta)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPLUG_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(meta)] + [str(p) for p in PROJECT_PATHS])
+    env = install_plugins([root], tmp_path)
     # The whole suite, as a user runs it on the generated plugin.
     res = subprocess.run(
         [sys.executable, "-m", "attnplug.cli", "conformance", "--backend", NAME],

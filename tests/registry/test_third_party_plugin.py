@@ -4,9 +4,7 @@ reported with its error while every other backend keeps working."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,19 +12,9 @@ import textwrap
 
 import pytest
 
-from plugin_dists import PROJECT_PATHS, ROOT, write_project_metadata
+from plugin_dists import ROOT, install_plugins
 
 EXAMPLES = ROOT / "examples"
-
-
-def _can_build_without_isolation() -> bool:
-    """setuptools >= 70.1 builds wheels by itself; older ones need the wheel package."""
-    try:
-        import setuptools
-    except ImportError:
-        return False
-    major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
-    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
 
 
 @pytest.fixture(scope="module")
@@ -38,27 +26,8 @@ def installed(tmp_path_factory):
         dst = tmp / "src" / name
         shutil.copytree(EXAMPLES / name, dst, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
         sources.append(str(dst))
-    site = tmp / "site"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-deps",
-        "--target",
-        str(site),
-    ]
-    if _can_build_without_isolation():
-        cmd += ["--no-build-isolation", "--no-index"]
-    out = subprocess.run(cmd + sources, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert (site / "attnplug_example" / "plugin.py").exists()
-    meta = tmp / "meta"  # the attnplug distribution's own entry points, as an install writes them
-    write_project_metadata(meta)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPLUG_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(meta)] + [str(p) for p in PROJECT_PATHS])
+    env = install_plugins(sources, tmp)
+    assert (tmp / "site" / "attnplug_example" / "plugin.py").exists()
     return env, tmp
 
 
