@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from attnplug import AttentionBackend, Capabilities, ForwardMode, GraphSupport, env
+from attnplug.graphs import captured_modes
 
 from .harness import ContractViolation, Step, World, WorldSpec
 from .rules import (
@@ -226,17 +227,9 @@ def base_config(caps: Capabilities, *, dtype=None, head_dim=None, page_size=None
     return TestConfig(dtype, head_dim, page_size, bool(caps.sliding_window), caps.graphs)
 
 
-_GRAPH_MODES = {
-    GraphSupport.NEVER: (),
-    GraphSupport.DECODE_ONLY: (ForwardMode.DECODE,),
-    GraphSupport.UNIFORM: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
-    GraphSupport.ALWAYS: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
-}
-
-
 def graph_modes(level: GraphSupport) -> Tuple[ForwardMode, ...]:
     """The modes a ``GraphRunner`` captures for a backend of this ``GraphSupport`` level."""
-    return _GRAPH_MODES[GraphSupport(level)]
+    return captured_modes(GraphSupport(level))
 
 
 def require_graph_mode(caps: Capabilities, mode: ForwardMode) -> None:

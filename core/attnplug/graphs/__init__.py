@@ -2,7 +2,7 @@
 
 from .collector import collector_paused
 from .device_graph import DeviceGraph, EagerGraph
-from .runner import GraphCaptureError, GraphRunner, StepFn, default_bucket_sizes
+from .runner import GraphCaptureError, GraphRunner, StepFn, captured_modes, default_bucket_sizes
 from .stream_graph import PoolOps, StreamGraph, torch_pool_ops
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "PoolOps",
     "StreamGraph",
     "StepFn",
+    "captured_modes",
     "collector_paused",
     "default_bucket_sizes",
     "torch_pool_ops",

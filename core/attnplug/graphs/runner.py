@@ -52,7 +52,7 @@ from ..batch import ForwardBatch, ForwardMode
 from . import collector
 from .device_graph import DeviceGraph, EagerGraph
 
-__all__ = ["GraphCaptureError", "GraphRunner", "default_bucket_sizes", "StepFn"]
+__all__ = ["GraphCaptureError", "GraphRunner", "captured_modes", "default_bucket_sizes", "StepFn"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ StepFn = Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor]
 _RUNNER_MODES = GraphSupport.UNIFORM.modes
 
 
-def _capturable(support: GraphSupport) -> Tuple[ForwardMode, ...]:
-    """The modes of ``support`` (core's ``GRAPH_MODES`` table) that a runner captures."""
+def captured_modes(support: GraphSupport) -> Tuple[ForwardMode, ...]:
+    """The modes a ``GraphRunner`` captures for a backend of this level: those of
+    ``support.modes`` (core's ``GRAPH_MODES`` table) with one q_len per request."""
     return tuple(m for m in support.modes if m in _RUNNER_MODES)
 
 
@@ -142,7 +143,7 @@ class GraphRunner:
         self.bucket_sizes = tuple(sorted(set(bucket_sizes or default_bucket_sizes(max_bs))))
         if self.bucket_sizes[0] < 1 or self.bucket_sizes[-1] > max_bs:
             raise ValueError(f"bucket sizes must lie in 1..{max_bs}, got {self.bucket_sizes}")
-        supported = _capturable(backend.capabilities().graphs)
+        supported = captured_modes(backend.capabilities().graphs)
         wanted = tuple(modes) if modes is not None else supported
         unsupported = [m.name for m in wanted if m not in supported]
         if unsupported:
