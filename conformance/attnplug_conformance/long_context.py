@@ -14,8 +14,10 @@ from typing import Dict, List
 
 import pytest
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from attnplug import ForwardMode
+from attnplug.soak.oracle import exact_attention
 
 from .harness import Step, World
 from .rules import ATTENTION
@@ -33,38 +35,35 @@ LONG_TOL: Dict[torch.dtype, float] = {torch.float16: 2e-3, torch.bfloat16: 1.2e-
 
 def dense_attention(world: World, step: Step) -> torch.Tensor:
     """Exact attention of ``step`` (planned, not committed) in float64 on the host:
-    ``[T, L, H, D]``. Keys of a request: its committed history (float64) then the step's
-    own k/v; causal; SWA layers see ``p - W < j <= p``; GQA by ``head // (H / Hkv)``."""
+    ``[T, L, H, D]``, from ``attnplug.soak.oracle.exact_attention`` (the contract's rule: causal,
+    ``p - W < j <= p`` on SWA layers, GQA by head groups). Keys of a request: its committed
+    history (float64) then the step's own k/v."""
     spec = world.spec
-    H, Hkv = spec.num_heads, spec.num_kv_heads
-    G = H // Hkv
-    scale = world.backend.scaling
     q_all = step.inputs["q"].detach().to("cpu", torch.float64)
     k_new = step.inputs["k"].detach().to("cpu", torch.float64)
     v_new = step.inputs["v"].detach().to("cpu", torch.float64)
-    outs: List[torch.Tensor] = []
-    offset = 0
-    for req, n in zip(step.requests, step.new_tokens):
-        per_layer = []
-        for layer in range(spec.num_layers):
+    starts = [sum(step.new_tokens[:i]) for i in range(len(step.new_tokens))]
+    per_layer: List[torch.Tensor] = []
+    for layer in range(spec.num_layers):
+        keys, values = [], []
+        for req, start, n in zip(step.requests, starts, step.new_tokens):
             k_hist, v_hist = req.history[layer]
-            keys = torch.cat([k_hist, k_new[offset : offset + n, layer]])  # [S, Hkv, D]
-            values = torch.cat([v_hist, v_new[offset : offset + n, layer]])
-            S = keys.shape[0]
-            q = q_all[offset : offset + n, layer].view(n, Hkv, G, -1)
-            scores = torch.einsum("qhgd,khd->hgqk", q, keys) * scale
-            pos_q = torch.arange(S - n, S)[:, None]
-            pos_k = torch.arange(S)[None, :]
-            mask = pos_k <= pos_q
-            if world.pool.is_swa_layer(layer):
-                mask &= pos_k > pos_q - spec.sliding_window
-            scores = scores.masked_fill(~mask, float("-inf"))
-            p = torch.softmax(scores, dim=-1)
-            out = torch.einsum("hgqk,khd->qhgd", p, values).reshape(n, H, -1)
-            per_layer.append(out)
-        outs.append(torch.stack(per_layer, dim=1))
-        offset += n
-    return torch.cat(outs) if outs else q_all.new_zeros(q_all.shape)
+            keys.append(torch.cat([k_hist, k_new[start : start + n, layer]]))  # [S, Hkv, D]
+            values.append(torch.cat([v_hist, v_new[start : start + n, layer]]))
+        seq_lens = [k.shape[0] for k in keys]
+        window = spec.sliding_window if world.pool.is_swa_layer(layer) else None
+        per_layer.append(
+            exact_attention(
+                q_all[:, layer],
+                pad_sequence(keys, batch_first=True),
+                pad_sequence(values, batch_first=True),
+                seq_lens,
+                list(step.new_tokens),
+                window,
+                world.backend.scaling,
+            )
+        )
+    return torch.stack(per_layer, dim=1)
 
 
 def _check(out: torch.Tensor, exact: torch.Tensor, world: World, what: str) -> None:
