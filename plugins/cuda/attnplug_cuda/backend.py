@@ -250,7 +250,7 @@ class CudaBackend(AttentionBackend):
         else:
             self._kv_store_triton(k, v, k_cache, v_cache, loc, pdl=self.pdl)
 
-    def _step_tables(self, q: torch.Tensor, batch: ForwardBatch) -> _StepTables:
+    def _step_tables(self) -> _StepTables:
         """This step's tables (the last metadata call's)."""
         t = self.forward_metadata
         if t is None:
@@ -298,8 +298,8 @@ class CudaBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        t = self._step_tables(q, batch)
         self.check_forward_inputs(q, k, v, batch, save_kv_cache)
+        t = self._step_tables()
         is_swa = self.pool.is_swa_layer(layer_id)
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
         if save_kv_cache:

@@ -89,7 +89,7 @@ class BeforeBackend(CudaBackend):
         return torch.where(valid, swa, torch.zeros_like(swa)).to(torch.int32)
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        t = self._step_tables(q, batch)
+        t = self._step_tables()
         is_swa = self.pool.is_swa_layer(layer_id)
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
         if save_kv_cache:
