@@ -264,111 +264,32 @@ def _paged_attention_kernel(
             i0 = n_blocks * 0
         i1 = tl.maximum(tl.minimum(pos_first + 1, s_hi) - s_lo, 0) // BLOCK_N
         i1 = tl.minimum(tl.maximum(i1, i0), n_blocks)
+        # the three phases differ only in their block range and MASKED: one compact call each
+        # fmt: off
         for i in range(0, i0):
             acc, l_i, m_i = _attend_block(
-                acc,
-                l_i,
-                m_i,
-                q,
-                qk_scale,
-                s_lo + i * BLOCK_N,
-                s_hi,
-                pos,
-                lo,
-                t_row,
-                t_start,
-                table_width,
-                num_slots,
-                K,
-                V,
-                kv_stride,
-                kv_col,
-                d_valid,
-                BLOCK_N,
-                True,
-                HAS_WINDOW,
-                EVEN_D,
-                PRECISION,
+                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION
             )
         for i in range(i0, i1):
             acc, l_i, m_i = _attend_block(
-                acc,
-                l_i,
-                m_i,
-                q,
-                qk_scale,
-                s_lo + i * BLOCK_N,
-                s_hi,
-                pos,
-                lo,
-                t_row,
-                t_start,
-                table_width,
-                num_slots,
-                K,
-                V,
-                kv_stride,
-                kv_col,
-                d_valid,
-                BLOCK_N,
-                False,
-                HAS_WINDOW,
-                EVEN_D,
-                PRECISION,
+                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION
             )
         for i in range(i1, n_blocks):
             acc, l_i, m_i = _attend_block(
-                acc,
-                l_i,
-                m_i,
-                q,
-                qk_scale,
-                s_lo + i * BLOCK_N,
-                s_hi,
-                pos,
-                lo,
-                t_row,
-                t_start,
-                table_width,
-                num_slots,
-                K,
-                V,
-                kv_stride,
-                kv_col,
-                d_valid,
-                BLOCK_N,
-                True,
-                HAS_WINDOW,
-                EVEN_D,
-                PRECISION,
+                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
+                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION
             )
+        # fmt: on
     else:
+        # fmt: off
         for start in range(s_lo, s_hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(
-                acc,
-                l_i,
-                m_i,
-                q,
-                qk_scale,
-                start,
-                s_hi,
-                pos,
-                lo,
-                t_row,
-                t_start,
-                table_width,
-                num_slots,
-                K,
-                V,
-                kv_stride,
-                kv_col,
-                d_valid,
-                BLOCK_N,
-                True,
-                HAS_WINDOW,
-                EVEN_D,
-                PRECISION,
+                acc, l_i, m_i, q, qk_scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V,
+                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION
             )
+        # fmt: on
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
