@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The H200 proof run, in stages that each take under 10 minutes:
 #   bash benchmarks/h200.sh check   # install, conformance on cuda, PDL proof, compute-sanitizer
-#   bash benchmarks/h200.sh bench   # benchmarks (attnplug bench --backend cuda): table, JSON, PNG plots
+#   bash benchmarks/h200.sh bench   # benchmarks (attnplug bench --backend cuda): table, JSON, PNG plots;
+#                                   # FlashInfer from .whl/ when its wheels are there; hybrid_step table last
 #   bash benchmarks/h200.sh trust   # GPU tests, conformance on cuda, the engine-loop example
 #   bash benchmarks/h200.sh soak    # 20,000-step soak of the cuda backend (graphs, PDL)
+#   bash benchmarks/h200.sh models  # transformers models through Engine on cuda, generate
+# BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks.
 # Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
 set -u
 stage="${1:-check}"
@@ -34,19 +37,47 @@ elif [ "$stage" = trust ]; then
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/env.log" 2>&1
   python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
   run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_kv_store.py \
-    tests/cuda/test_cuda_kernels_paged_attention.py tests/cuda/test_cuda_kernels_step_metadata.py tests/cuda/test_cuda_csrc_build.py \
+    tests/cuda/test_cuda_kernels_paged_attention.py tests/cuda/test_cuda_kernels_store_attend.py \
+    tests/cuda/test_cuda_kernels_step_metadata.py tests/cuda/test_cuda_replay_copy.py \
+    tests/cuda/test_cuda_softcap_sinks_interpreted.py tests/cuda/test_cuda_csrc_build.py \
     tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
-  run conformance 170 attnplug conformance --backend cuda --report "$out/conformance.json"
+  run conformance 280 attnplug conformance --backend cuda --report "$out/conformance.json"
+  run memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
   run engine_loop 60 python3 examples/engine_loop.py --backend cuda --device cuda
   cat "$out/env.log"
   tail -3 "$out/gpu_tests.log"
   grep -E "passed|failed|PASSED|FAILED|error" "$out/conformance.log" | tail -6
+  grep -E "ERROR SUMMARY|kernels ran|Error" "$out/memcheck.log" | tail -3
   tail -2 "$out/engine_loop.log"
+elif [ "$stage" = models ]; then
+  run gpu_check 150 python3 tests/integrations/gpu_check.py --backend cuda
+  run generate 60 attnplug generate --tiny gemma3_text --backend cuda --dtype bfloat16 --tokens 5,6,7,8,9,10,11,12 \
+    --max-new-tokens 16 --graphs
+  tail -16 "$out/gpu_check.log"
+  tail -3 "$out/generate.log"
 elif [ "$stage" = soak ]; then
   run soak 330 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"
 else
-  run bench 330 attnplug bench --backend cuda --out "$out/bench" --budget-s 320 --set flex_budget_s=60
-  tail -60 "$out/bench.log"
+  # FlashInfer, the peer of hybrid_step, from wheels carried in .whl/ (never a dependency):
+  # flashinfer_python 0.5.0 + apache_tvm_ffi 0.1.x (+ ninja when the machine has none, for its JIT)
+  fi_dir="${FLASHINFER_TARGET:-/tmp/attnplug-flashinfer}"
+  if ls .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
+    wheels=(.whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl)
+    command -v ninja >/dev/null 2>&1 || wheels+=(.whl/ninja-*.whl)
+    python3 -m pip install -q --no-deps --target "$fi_dir" "${wheels[@]}" >"$out/flashinfer.log" 2>&1
+    export PYTHONPATH="$fi_dir${PYTHONPATH:+:$PYTHONPATH}" PATH="$fi_dir/bin:$PATH"
+  else
+    echo "no FlashInfer wheels in .whl/: the flashinfer peer rows will say not installed" >"$out/flashinfer.log"
+  fi
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, 'importable')" >>"$out/flashinfer.log" 2>&1
+  # shellcheck disable=SC2086
+  run bench 480 attnplug bench --backend cuda ${BENCH_ONLY:+--only $BENCH_ONLY} --out "$out/bench" --budget-s 460 \
+    --set flex_budget_s=60
+  grep -v "hybrid_step" "$out/bench.log" | tail -40
+  tail -2 "$out/flashinfer.log"
+  # last: the hybrid_step table (floors and % of floor, PDL on/off, FlashInfer ratios, replay prep)
+  python3 -m attnplug.bench.report "$out/bench/bench.json" --only hybrid_step
+  tail -1 "$out/bench.log"
 fi
 printf '%s\n' "${summary[@]}"

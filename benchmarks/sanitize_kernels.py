@@ -1,9 +1,10 @@
 """Run every kernel of the CUDA plugin once on small shapes, PDL on, for compute-sanitizer.
 
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
-``--tool racecheck``): the store (Triton and C++), the step-metadata launch, and paged
-attention for decode (split KV + combine) and extend, on SWA and full layers, eager and in a
-captured graph. Small on purpose: the sanitizer slows kernels by orders of magnitude.
+``--tool racecheck``): the store (Triton and C++), the step-metadata launch, the one-launch
+small decode (store + split attention + atomic-ticket merge), and paged attention for verify
+(split KV + combine) and extend, on SWA and full layers, eager and in a captured graph.
+Small on purpose: the sanitizer slows kernels by orders of magnitude.
 """
 
 import sys

@@ -19,12 +19,12 @@ class TranslatePerLayer(ReferenceBackend):
 
     name = "broken-translate-per-layer"
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         if save_kv_cache and self.pool.is_swa_layer(layer_id):
             swa_loc = self.pool.translate_loc_from_full_to_swa(batch.out_cache_loc)
             self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v, swa_loc=swa_loc)
-            return super().forward(q, k, v, layer_id, batch, save_kv_cache=False)
-        return super().forward(q, k, v, layer_id, batch, save_kv_cache)
+            return super().forward(q, k, v, layer_id, batch, save_kv_cache=False, sinks=sinks)
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
 
 
 class GatherPerLayer(ReferenceBackend):
@@ -33,12 +33,12 @@ class GatherPerLayer(ReferenceBackend):
 
     name = "broken-gather-per-layer"
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         if save_kv_cache and self.pool.is_swa_layer(layer_id):
             swa_loc = self.pool.full_to_swa_index_mapping[batch.out_cache_loc]
             self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v, swa_loc=swa_loc)
-            return super().forward(q, k, v, layer_id, batch, save_kv_cache=False)
-        return super().forward(q, k, v, layer_id, batch, save_kv_cache)
+            return super().forward(q, k, v, layer_id, batch, save_kv_cache=False, sinks=sinks)
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
 
 
 class RenamedBuffer(ReferenceBackend):
@@ -113,8 +113,8 @@ class WindowOffByOne(ReferenceBackend):
 
     name = "broken-window-off-by-one"
 
-    def _attend(self, q, keys, values, key_pos, window, md):
-        return super()._attend(q, keys, values, key_pos, None if window is None else window - 1, md)
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
+        return super()._attend(q, keys, values, key_pos, None if window is None else window - 1, md, sinks=sinks)
 
 
 class WrongSlot(ReferenceBackend):
@@ -122,12 +122,12 @@ class WrongSlot(ReferenceBackend):
 
     name = "broken-wrong-slot"
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         if save_kv_cache and self.pool.is_swa_layer(layer_id):
             md = self.forward_metadata
             self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v, swa_loc=md.swa_out_cache_loc + 1)
-            return super().forward(q, k, v, layer_id, batch, save_kv_cache=False)
-        return super().forward(q, k, v, layer_id, batch, save_kv_cache)
+            return super().forward(q, k, v, layer_id, batch, save_kv_cache=False, sinks=sinks)
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
 
 
 class ReallocatingReplay(ReferenceBackend):
@@ -161,8 +161,8 @@ class PdlChangesResults(HonestPdl):
 
     name = "broken-pdl-race"
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        out = super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
         return out * (1 + 2**-10) if self.pdl else out
 
 
@@ -199,8 +199,8 @@ class ReplayDiffers(ReferenceBackend):
         self._replaying = True
         super().init_forward_metadata_replay_cuda_graph(batch)
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        out = super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
         return out * (1 + 2**-8) if self._replaying else out
 
 

@@ -22,6 +22,8 @@ A mutant's ``WITNESS`` says how it is shown to be wrong:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attnplug import ForwardMode
@@ -35,8 +37,8 @@ class NoOpMutant(ReferenceBackend):
 
     WITNESS = None
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        return super().forward(q, k, v, layer_id, batch, save_kv_cache)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
 
 
 # ------------------------------------------------------------------------ rule 1 / slots
@@ -63,7 +65,7 @@ class RegatherWindowPerLayer(ReferenceBackend):
 
     WITNESS = ("mapping",)
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         md = self.forward_metadata
         if md is not None and md.swa_slots is not None and self.pool.is_swa_layer(layer_id):
             ks = md.swa_slots.shape[1]
@@ -71,7 +73,7 @@ class RegatherWindowPerLayer(ReferenceBackend):
             full = torch.gather(md.full_slots, 1, cols.clamp_max(md.full_slots.shape[1] - 1))
             fresh = self.pool.full_to_swa_index_mapping[full].long()
             md.swa_slots.copy_(torch.where(md.swa_slots != 0, fresh, 0))
-        return super().forward(q, k, v, layer_id, batch, save_kv_cache)
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
 
 
 class NeighbourWriteInPage(ReferenceBackend):
@@ -80,7 +82,7 @@ class NeighbourWriteInPage(ReferenceBackend):
 
     WITNESS = ("output", dict(page_size=4), [("EXTEND", [5, 6])])
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         ps = self.pool.page_size
         if save_kv_cache and ps > 1 and k.shape[0]:
             md = self.forward_metadata
@@ -90,7 +92,7 @@ class NeighbourWriteInPage(ReferenceBackend):
             kb, vb = self.pool.get_kv_buffer(layer_id)
             kb[nxt[same]] = k[same]
             vb[nxt[same]] = v[same]
-        return super().forward(q, k, v, layer_id, batch, save_kv_cache)  # the step's own slots rewritten
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)  # the step's own slots rewritten
 
 
 class WritesOtherLayer(ReferenceBackend):
@@ -99,8 +101,8 @@ class WritesOtherLayer(ReferenceBackend):
 
     WITNESS = ("output", dict(size=512, size_swa=256, scramble_swa=True), [("EXTEND", [5, 9]), ("DECODE", None)])
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        out = super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
         nxt = layer_id + 1
         if (
             save_kv_cache
@@ -121,8 +123,8 @@ class WritesSink(ReferenceBackend):
 
     WITNESS = ("output", dict(), [("EXTEND", [5, 9])])
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        out = super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
         if save_kv_cache and k.shape[0]:
             kb, vb = self.pool.get_kv_buffer(layer_id)
             kb[0] = k[-1]
@@ -135,8 +137,8 @@ class IgnoresSaveKvCacheFalse(ReferenceBackend):
 
     WITNESS = ("no_save",)
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        return super().forward(q, k, v, layer_id, batch, True)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        return super().forward(q, k, v, layer_id, batch, True, sinks=sinks)
 
 
 class PageOffset3Bit(ReferenceBackend):
@@ -166,9 +168,9 @@ class TileSkipsFirstKey(ReferenceBackend):
 
     WITNESS = ("output", dict(max_context_len=96, sliding_window=None, swa_layer_ids=()), [("EXTEND", [40, 33])])
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         keep = ~((key_pos % 32 == 0) & (key_pos > 0))
-        return super()._attend(q, keys, values, _tile_mask(key_pos, keep), window, md)
+        return super()._attend(q, keys, values, _tile_mask(key_pos, keep), window, md, sinks=sinks)
 
 
 class LastPartialTileDropped(ReferenceBackend):
@@ -177,7 +179,7 @@ class LastPartialTileDropped(ReferenceBackend):
 
     WITNESS = ("output", dict(max_context_len=96, sliding_window=None, swa_layer_ids=()), [("EXTEND", [40, 20])])
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         bs = keys.shape[0]
         counts = torch.zeros(bs, dtype=torch.int64, device=q.device).scatter_add_(
             0, md.token_req, torch.ones_like(md.token_req)
@@ -185,7 +187,7 @@ class LastPartialTileDropped(ReferenceBackend):
         kv_len = (md.q_start + counts)[:, None]
         cut = kv_len // 32 * 32
         keep = ~((kv_len > 32) & (key_pos >= cut))
-        return super()._attend(q, keys, values, _tile_mask(key_pos, keep), window, md)
+        return super()._attend(q, keys, values, _tile_mask(key_pos, keep), window, md, sinks=sinks)
 
 
 def _blocked_softmax_pv(scores, values, acc_dtype, block):
@@ -225,9 +227,9 @@ class HalfPrecisionAccumulation(ReferenceBackend):
         [("EXTEND_DIRECT", [4100]), ("DECODE", None)],
     )
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         if q.dtype not in HALF:
-            return super()._attend(q, keys, values, key_pos, window, md)
+            return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
         T, H, D = q.shape
         bs, K, Hkv, _ = keys.shape
         G, Q = H // Hkv, md.q_len_max
@@ -251,16 +253,16 @@ class HeadDimTailUnmasked(ReferenceBackend):
 
     WITNESS = ("output", dict(head_dim=80), [("EXTEND", [5, 9])])
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         D = q.shape[-1]
         P = 1 << (D - 1).bit_length()
         if P == D:
-            return super()._attend(q, keys, values, key_pos, window, md)
+            return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
         pad = P - D
         qn = torch.cat([q, q.roll(-1, dims=1)[..., :pad]], -1)
         kn = torch.cat([keys, keys.roll(-1, dims=2)[..., :pad]], -1)
         vn = torch.cat([values, values.roll(-1, dims=2)[..., :pad]], -1)
-        return super()._attend(qn, kn, vn, key_pos, window, md)[..., :D].contiguous()
+        return super()._attend(qn, kn, vn, key_pos, window, md, sinks=sinks)[..., :D].contiguous()
 
 
 class SplitKVSmallBatch(ReferenceBackend):
@@ -269,13 +271,13 @@ class SplitKVSmallBatch(ReferenceBackend):
 
     WITNESS = ("output", dict(), [("EXTEND", [9, 30]), ("DECODE", None)])
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         if md.q_len_max != 1 or keys.shape[0] > 2 or keys.shape[1] < 2:
-            return super()._attend(q, keys, values, key_pos, window, md)
+            return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
         h = keys.shape[1] // 2
         kp = key_pos.expand(keys.shape[0], -1)
-        a = super()._attend(q, keys[:, :h], values[:, :h], kp[:, :h], window, md)
-        b = super()._attend(q, keys[:, h:], values[:, h:], kp[:, h:], window, md)
+        a = super()._attend(q, keys[:, :h], values[:, :h], kp[:, :h], window, md, sinks=sinks)
+        b = super()._attend(q, keys[:, h:], values[:, h:], kp[:, h:], window, md, sinks=sinks)
         return ((a.float() + b.float()) / 2).to(q.dtype)
 
 
@@ -294,8 +296,8 @@ class ReturnsFp32(ReferenceBackend):
 
     WITNESS = ("dtype",)
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        out = super().forward(q, k, v, layer_id, batch, save_kv_cache)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        out = super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
         return out.float() if out.dtype in HALF else out
 
 
@@ -304,8 +306,8 @@ class WindowPlusOne(ReferenceBackend):
 
     WITNESS = ("output", dict(sliding_window=4), [("EXTEND", [9, 12])])
 
-    def _attend(self, q, keys, values, key_pos, window, md):
-        return super()._attend(q, keys, values, key_pos, None if window is None else window + 1, md)
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
+        return super()._attend(q, keys, values, key_pos, None if window is None else window + 1, md, sinks=sinks)
 
 
 class WindowStartOffByOne(ReferenceBackend):
@@ -336,11 +338,11 @@ class NoCausalInVerify(ReferenceBackend):
         self._speculative = batch.forward_mode.is_speculative
         super().init_forward_metadata_replay_cuda_graph(batch)
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         if self._speculative:
             start = md.q_start[:, None]
             key_pos = torch.where(key_pos >= start, start, key_pos.expand(start.shape[0], -1))
-        return super()._attend(q, keys, values, key_pos, window, md)
+        return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
 
 
 class GqaHeadMapping(ReferenceBackend):
@@ -348,13 +350,13 @@ class GqaHeadMapping(ReferenceBackend):
 
     WITNESS = ("output", dict(num_heads=8, num_kv_heads=2), [("EXTEND", [5, 9])])
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         H, Hkv = q.shape[1], keys.shape[2]
         G = H // Hkv
         if G == 1 or Hkv == 1:
-            return super()._attend(q, keys, values, key_pos, window, md)
+            return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
         perm = torch.arange(H, device=q.device).view(G, Hkv).t().reshape(-1)  # slot j holds head perm[j]
-        out = super()._attend(q[:, perm], keys, values, key_pos, window, md)
+        out = super()._attend(q[:, perm], keys, values, key_pos, window, md, sinks=sinks)
         back = torch.empty_like(perm)
         back[perm] = torch.arange(H, device=q.device)
         return out[:, back]
@@ -400,6 +402,119 @@ class MisreadsSeqLensCpu(ReferenceBackend):
         if batch.forward_mode.is_speculative and batch.seq_lens_cpu is not None:
             md = self.forward_metadata
             md.q_start = torch.tensor(batch.seq_lens_cpu, dtype=torch.int64, device=self.device) - 1
+
+
+# ------------------------------------------------------------------------ soft-cap and sinks
+class SoftcapAfterLog2eFold(ReferenceBackend):
+    """Soft-cap: the kernel folds ``log2(e)`` into the scale first and caps the base-2 logits
+    (``c * tanh(s * log2(e) / c)`` then ``exp2``): in natural units a cap of ``c * ln 2``."""
+
+    WITNESS = ("output", dict(logit_softcap=1.5), [("EXTEND", [5, 9]), ("DECODE", None)])
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.logit_softcap is not None:
+            self.logit_softcap = self.logit_softcap * math.log(2.0)
+
+
+def _attend_capped(backend, q, keys, values, key_pos, window, md, sinks, cap_fn):
+    """The reference's attention with the soft-cap replaced by ``cap_fn(scores, key_pos
+    [bs, 1, K], q_pos [bs, Q, 1])`` (scores ``[bs, Hkv, G, Q, K]``): the mutants' hook."""
+    T, H, D = q.shape
+    bs, K, Hkv, _ = keys.shape
+    G, Q = H // Hkv, md.q_len_max
+    qp = torch.zeros(bs, Q, H, D, dtype=torch.float32, device=q.device)
+    qp[md.token_req, md.token_idx] = q.float()
+    q_pos = md.q_start[:, None] + torch.arange(Q, device=q.device)
+    kp, qq = key_pos[:, None, :], q_pos[:, :, None]
+    mask = (kp <= qq) & (kp < md.seq_lens[:, None, None])
+    if window is not None:
+        mask = mask & (kp > qq - window)
+    seen = mask.any(1)[:, :, None, None]
+    keys, values = torch.where(seen, keys, 0), torch.where(seen, values, 0)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qp.view(bs, Q, Hkv, G, D), keys.float()) * backend.scaling
+    scores = cap_fn(scores, kp[:, None, None], qq[:, None, None])
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.float().view(1, Hkv, G, 1, 1))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    denom = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sinks.float().view(1, Hkv, G, 1, 1) - m)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", p / denom.clamp_min(1e-30), values.float())
+    return out.reshape(bs, Q, H, D)[md.token_req, md.token_idx].to(q.dtype)
+
+
+class SoftcapSkippedOnEdgeBlocks(ReferenceBackend):
+    """Soft-cap: applied in the unmasked interior loop only; the masked edge blocks (the
+    16-key block holding the query's own position, and the one holding its window start)
+    use the raw logits."""
+
+    WITNESS = ("output", dict(logit_softcap=1.5), [("EXTEND", [5, 9]), ("DECODE", None)])
+
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
+        c = self.logit_softcap
+        if c is None:
+            return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
+
+        def cap(scores, kp, qq):
+            edge = kp // 16 == qq // 16
+            if window is not None:
+                edge = edge | (kp // 16 == (qq - window + 1).clamp_min(0) // 16)
+            return torch.where(edge, scores, c * torch.tanh(scores / c))
+
+        return _attend_capped(self, q, keys, values, key_pos, window, md, sinks, cap)
+
+
+class SinkInEverySplit(ReferenceBackend):
+    """Sinks: decode over a long KV range (>= 512 key columns) is split in two (flash-decoding)
+    and each split's partial adds the head's sink to its denominator, so the combine counts
+    it twice (the same as a sink of ``sink + ln 2``)."""
+
+    WITNESS = (
+        "output",
+        dict(
+            sinks=True,
+            max_context_len=576,
+            size=2048,
+            size_swa=1024,
+            sliding_window=None,
+            swa_layer_ids=(),
+            num_heads=4,
+            num_kv_heads=1,
+        ),
+        [("EXTEND_DIRECT", [520, 7]), ("DECODE", None)],
+    )
+
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
+        if sinks is not None and md.q_len_max == 1 and keys.shape[1] >= 512:
+            sinks = sinks + math.log(2.0)
+        return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
+
+
+class SinkTimesScaling(ReferenceBackend):
+    """Sinks: the sink logits are multiplied by ``scaling`` like the q.k logits (they are
+    already logits, in natural-log units)."""
+
+    WITNESS = ("output", dict(sinks=True), [("EXTEND", [5, 9])])
+
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        if sinks is not None:
+            sinks = sinks * self.scaling
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
+
+
+class SinksDroppedOnSwaLayers(ReferenceBackend):
+    """Sinks: the sliding-window path forgets them (only full layers add the sink)."""
+
+    WITNESS = ("output", dict(sinks=True), [("EXTEND", [5, 9]), ("DECODE", None)])
+
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        if self.pool.is_swa_layer(layer_id):
+            sinks = None
+        return super().forward(q, k, v, layer_id, batch, save_kv_cache, sinks=sinks)
 
 
 # ------------------------------------------------------------------------ rule 2: sync forms
@@ -486,6 +601,11 @@ SUBTLE = [
     LargeBatchScratch,
     ExtendIgnoresPrefix,
     MisreadsSeqLensCpu,
+    SoftcapAfterLog2eFold,
+    SoftcapSkippedOnEdgeBlocks,
+    SinkInEverySplit,
+    SinkTimesScaling,
+    SinksDroppedOnSwaLayers,
     ArangeOfMaxInReplay,
     ZerosOfMaxInReplay,
     FullOfMaxInReplay,

@@ -174,7 +174,7 @@ class StandInBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self):  # pragma: no cover
         return 1
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):  # pragma: no cover
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):  # pragma: no cover
         raise NotImplementedError
 
 

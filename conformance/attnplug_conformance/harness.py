@@ -64,6 +64,10 @@ class WorldSpec:
     scaling: Optional[float] = None
     #: shuffle the SWA free list at construction (``World.scramble_swa_free_list``)
     scramble_swa: bool = False
+    #: ``logit_softcap`` given to the backend (None: logits are not capped)
+    logit_softcap: Optional[float] = None
+    #: give every layer learned sink logits (``World.sinks``: seeded, float32 ``[num_heads]``)
+    sinks: bool = False
 
     def swa_layers(self) -> Tuple[int, ...]:
         if self.sliding_window is None:
@@ -113,16 +117,24 @@ def check_output(out, q: torch.Tensor, layer: int) -> None:
         raise ContractViolation(f"{ATTENTION}: forward() of layer {layer} returned an output of " + ", ".join(problems))
 
 
-def layer_step(backend: AttentionBackend, num_layers: int, *, save_kv_cache: bool = True):
+def layer_step(
+    backend: AttentionBackend,
+    num_layers: int,
+    *,
+    save_kv_cache: bool = True,
+    sinks: Optional[Sequence[torch.Tensor]] = None,
+):
     """The model of a step: every layer's attention, stacked to ``[T, L, H, D]``. Each
     layer's output is checked against the contract (``check_output``) before stacking (a
-    stack would silently promote a wrong dtype)."""
+    stack would silently promote a wrong dtype). ``sinks``: per layer, the ``sinks=`` tensor
+    given to ``forward`` (None: the keyword is not passed)."""
 
     def step(batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         outs = []
         for l in range(num_layers):
             q = inputs["q"][:, l]
-            out = backend.forward(q, inputs["k"][:, l], inputs["v"][:, l], l, batch, save_kv_cache=save_kv_cache)
+            kw = {} if sinks is None else {"sinks": sinks[l]}
+            out = backend.forward(q, inputs["k"][:, l], inputs["v"][:, l], l, batch, save_kv_cache=save_kv_cache, **kw)
             check_output(out, q, l)
             outs.append(out)
         if not outs:
@@ -155,13 +167,22 @@ class World:
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, self.device)
         kwargs = {} if spec.scaling is None else {"scaling": spec.scaling}
+        if spec.logit_softcap is not None:
+            kwargs["logit_softcap"] = spec.logit_softcap
+        #: per layer, float32 ``[num_heads]`` sink logits on the device (``spec.sinks``), else None
+        self.sinks: Optional[List[torch.Tensor]] = None
+        if spec.sinks:
+            gen = torch.Generator().manual_seed(seed * 7919 + 101)  # its own stream: inputs unchanged
+            self.sinks = [
+                (torch.randn(spec.num_heads, generator=gen) * 2 + 0.5).to(self.device) for _ in range(spec.num_layers)
+            ]
         self.backend = backend_cls(
             self.pool, self.rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window, **kwargs
         )
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: List[Request] = []
-        self.step_fn = layer_step(self.backend, spec.num_layers)
+        self.step_fn = layer_step(self.backend, spec.num_layers, sinks=self.sinks)
         self._reference: Optional[AttentionBackend] = None
         if spec.scramble_swa:
             self.scramble_swa_free_list()
@@ -180,6 +201,7 @@ class World:
                 num_heads=self.spec.num_heads,
                 sliding_window=self.spec.sliding_window,
                 scaling=self.spec.scaling,
+                logit_softcap=self.spec.logit_softcap,
             )
         return self._reference
 
@@ -358,7 +380,9 @@ class World:
         backend.init_forward_metadata(step.batch)
         if backend is self.backend and save_kv_cache:
             return self.step_fn(step.batch, step.inputs)
-        return layer_step(backend, self.spec.num_layers, save_kv_cache=save_kv_cache)(step.batch, step.inputs)
+        return layer_step(backend, self.spec.num_layers, save_kv_cache=save_kv_cache, sinks=self.sinks)(
+            step.batch, step.inputs
+        )
 
     def store_kv(self, step: Step) -> None:
         """Write the step's k/v into the pool without any backend: full layers at

@@ -36,8 +36,9 @@ LONG_TOL: Dict[torch.dtype, float] = {torch.float16: 2e-3, torch.bfloat16: 1.2e-
 def dense_attention(world: World, step: Step) -> torch.Tensor:
     """Exact attention of ``step`` (planned, not committed) in float64 on the host:
     ``[T, L, H, D]``, from ``attnplug.soak.oracle.exact_attention`` (the contract's rule: causal,
-    ``p - W < j <= p`` on SWA layers, GQA by head groups). Keys of a request: its committed
-    history (float64) then the step's own k/v."""
+    ``p - W < j <= p`` on SWA layers, GQA by head groups, the spec's ``logit_softcap`` and the
+    world's per-layer ``sinks``). Keys of a request: its committed history (float64) then the
+    step's own k/v."""
     spec = world.spec
     q_all = step.inputs["q"].detach().to("cpu", torch.float64)
     k_new = step.inputs["k"].detach().to("cpu", torch.float64)
@@ -61,6 +62,8 @@ def dense_attention(world: World, step: Step) -> torch.Tensor:
                 list(step.new_tokens),
                 window,
                 world.backend.scaling,
+                logit_softcap=spec.logit_softcap,
+                sinks=world.sinks[layer] if world.sinks is not None else None,
             )
         )
     return torch.stack(per_layer, dim=1)

@@ -253,8 +253,10 @@ _CHECK_ORDER = {
     "check_translates_once_per_step": 4,
     "check_kv_written_only_at_step_slots": 5,
     "check_attention_matches_reference": 6,
+    "check_softcap_and_sinks": 6.5,
     "check_replay_equals_eager": 7,
     "check_accepts_seq_lens_cpu_none": 8,
+    "check_matches_transformers": 9,
 }
 _FIRST_ROUND_CASES = {
     "EXTEND_no_prefix-gqa4-window_smaller",
@@ -270,6 +272,10 @@ _FIRST_ROUND_CASES = {
     "DECODE-bfloat16",
     "tiles-31_32_33",
     "long_context-float16",
+    "softcap-modes",
+    "sinks-modes",
+    "softcap_sinks-kv_split",
+    "undeclared_refused",
 }
 #: tests of the first round per check without cases (their first parametrizations); default 1
 _FIRST_ROUND_COUNT = {"check_capabilities_honest": 3, "check_kv_written_only_at_step_slots": 2}

@@ -12,6 +12,8 @@ __all__ = [
     "KV_SLOTS",
     "SEQ_LENS_CPU_NONE",
     "CAPABILITIES",
+    "FEATURES",
+    "MODEL",
     "ALL_RULES",
 ]
 
@@ -23,6 +25,8 @@ REPLAY = "contract (graph replay equals eager)"
 KV_SLOTS = "contract (KV written only at the step's slots)"
 SEQ_LENS_CPU_NONE = "contract (accepts seq_lens_cpu=None)"
 CAPABILITIES = "contract (capabilities are honest)"
+FEATURES = "contract (logit soft-cap and attention sinks)"
+MODEL = "contract (model logits match transformers)"
 
 #: every rule name above, for tools that check a message names one
-ALL_RULES = (RULE_1, RULE_2, RULE_3, ATTENTION, REPLAY, KV_SLOTS, SEQ_LENS_CPU_NONE, CAPABILITIES)
+ALL_RULES = (RULE_1, RULE_2, RULE_3, ATTENTION, REPLAY, KV_SLOTS, SEQ_LENS_CPU_NONE, CAPABILITIES, FEATURES, MODEL)

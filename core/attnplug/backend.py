@@ -96,6 +96,10 @@ class Capabilities:
     * ``dtypes`` / ``head_dims`` / ``page_sizes``: the KV dtypes, head dims and pool page sizes
       that are supported.
     * ``sliding_window``: SWA layers (``sliding_window=W``) are supported.
+    * ``logit_softcap``: the constructor accepts ``logit_softcap=c`` (logits capped to
+      ``c * tanh(s / c)`` before masking and softmax). Default False.
+    * ``attention_sinks``: ``forward`` accepts ``sinks=`` (one learned logit per q head that
+      joins the softmax denominator). Default False.
     """
 
     device_type: str
@@ -106,6 +110,8 @@ class Capabilities:
     head_dims: Tuple[int, ...]
     page_sizes: Tuple[int, ...]
     sliding_window: bool
+    logit_softcap: bool = False
+    attention_sinks: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -117,6 +123,8 @@ class Capabilities:
             "head_dims": list(self.head_dims),
             "page_sizes": list(self.page_sizes),
             "sliding_window": self.sliding_window,
+            "logit_softcap": self.logit_softcap,
+            "attention_sinks": self.attention_sinks,
         }
 
     def for_instance(
@@ -146,11 +154,18 @@ class AttentionBackend(abc.ABC):
     """Attention over the hybrid full + SWA paged KV cache.
 
     Construction: ``BackendCls(pool, req_to_token_pool, *, num_heads, sliding_window=None,
-    scaling=None)``. The device, KV dtype, ``num_kv_heads`` and ``head_dim`` come from
-    ``pool``. Tensors seen by ``forward``: q ``[T, num_heads, head_dim]``, k and v
-    ``[T, num_kv_heads, head_dim]`` in the pool's dtype, output ``[T, num_heads, head_dim]``.
-    ``sliding_window=W`` means a query at position p on an SWA layer attends to keys
-    ``p - W < j <= p``; full layers attend to ``0 <= j <= p``.
+    scaling=None, logit_softcap=None)``. The device, KV dtype, ``num_kv_heads`` and
+    ``head_dim`` come from ``pool``. Tensors seen by ``forward``: q ``[T, num_heads, head_dim]``,
+    k and v ``[T, num_kv_heads, head_dim]`` in the pool's dtype, output
+    ``[T, num_heads, head_dim]``. ``sliding_window=W`` means a query at position p on an SWA
+    layer attends to keys ``p - W < j <= p``; full layers attend to ``0 <= j <= p``.
+
+    Logits are ``s = scaling * q.k``; with ``logit_softcap=c`` (a model constant, e.g.
+    Gemma2's ``attn_logit_softcapping``) they become ``c * tanh(s / c)`` before masking and
+    softmax. ``forward(..., sinks=...)`` adds one learned logit per q head to the softmax
+    denominator only (GPT-OSS): ``p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sink_h - m))``.
+    Each is accepted only when the class declares it (``Capabilities.logit_softcap`` /
+    ``Capabilities.attention_sinks``).
 
     Subclasses set the class attributes ``name`` and ``needs_cpu_seq_lens`` and implement
     every abstract method. The base ``__init__`` validates and stores the common arguments.
@@ -160,6 +175,9 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str] = "abstract"
     #: True unless the backend promises sync-free replay metadata from device tensors
     needs_cpu_seq_lens: ClassVar[bool] = True
+    #: True when replay metadata also writes the engine's batch, padded, into the graph's
+    #: static batch (``set_replay_source``); ``GraphRunner`` then copies only the model inputs
+    copies_replay_batch: ClassVar[bool] = False
     #: the device's part: graphs, sync guard, synchronisation, what ``attnplug info`` shows
     #: (``attnplug.device_part.DevicePart``; the default serves any device with eager graphs)
     device_part: ClassVar[DevicePart] = DevicePart()
@@ -172,6 +190,7 @@ class AttentionBackend(abc.ABC):
         num_heads: int,
         sliding_window: Optional[int] = None,
         scaling: Optional[float] = None,
+        logit_softcap: Optional[float] = None,
     ) -> None:
         if not isinstance(num_heads, int) or num_heads < 1:
             raise BackendConfigError(f"num_heads must be a positive int, got {num_heads!r}")
@@ -205,6 +224,23 @@ class AttentionBackend(abc.ABC):
             ):
                 raise BackendConfigError(f"scaling must be None or a finite float > 0, got {scaling!r}")
         self.scaling = float(scaling) if scaling is not None else 1.0 / math.sqrt(pool.head_dim)
+        declared = type(self).declared_capabilities()
+        if logit_softcap is not None:
+            if (
+                isinstance(logit_softcap, bool)
+                or not isinstance(logit_softcap, (int, float))
+                or not math.isfinite(logit_softcap)
+                or logit_softcap <= 0
+            ):
+                raise BackendConfigError(f"logit_softcap must be None or a finite float > 0, got {logit_softcap!r}")
+            if declared is None or not declared.logit_softcap:
+                raise BackendConfigError(
+                    f"logit_softcap={logit_softcap!r}: the {type(self).name} backend does not support logit "
+                    "soft-capping (its capabilities declare logit_softcap=False)"
+                )
+        #: ``c`` of the logit soft-cap ``c * tanh(s / c)``; None: logits are not capped
+        self.logit_softcap: Optional[float] = float(logit_softcap) if logit_softcap is not None else None
+        self._accepts_sinks = bool(declared is not None and declared.attention_sinks)
         self._prepared_batch: Optional[ForwardBatch] = None
 
     # ------------------------------------------------------------------ description
@@ -307,6 +343,27 @@ class AttentionBackend(abc.ABC):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value given to padded requests in a captured batch (>= 1)."""
 
+    def set_replay_source(self, batch: ForwardBatch, static: ForwardBatch) -> None:
+        """Only for a class with ``copies_replay_batch = True``; ``GraphRunner`` calls it
+        right before ``init_forward_metadata_replay_cuda_graph(static)``.
+
+        ``batch`` is the engine's step (same mode and q_len, ``batch_size <= static.batch_size``),
+        ``static`` the captured bucket's padded batch (views of the runner's buffers). That
+        next replay metadata call, and only it, must first write ``batch`` into ``static``'s
+        tensors exactly as the runner would: ``req_pool_indices`` and ``seq_lens`` of the
+        ``batch_size`` real requests, then row 0 and ``get_cuda_graph_seq_len_fill_value()``
+        for the padded ones; ``out_cache_loc`` of the ``T`` real tokens, then slot 0; and,
+        when ``batch.positions`` is not None, ``positions`` then 0 (when it is None, the
+        static positions stay as they are). Then it prepares ``static`` as usual.
+        Must: read ``batch``'s tensors on the device only (sync-free), refuse a batch on
+        another device (``BatchError``), drop ``batch`` after that call.
+        Must not: write any other tensor of ``batch`` or ``static``.
+        Default: raises ``NotImplementedError`` (the runner copies the batch itself).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not copy the replay batch (copies_replay_batch is False)"
+        )
+
     # ------------------------------------------------------------------ the layer
     @abc.abstractmethod
     def forward(
@@ -317,13 +374,21 @@ class AttentionBackend(abc.ABC):
         layer_id: int,
         batch: ForwardBatch,
         save_kv_cache: bool = True,
+        *,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """One layer's attention for the step prepared by the last metadata call.
 
-        Must: when ``save_kv_cache``, store k/v at the hoisted ``swa_out_cache_loc`` on SWA
-        layers and at ``out_cache_loc`` on full layers, and nowhere else; then attend for
-        every request (q_len >= 1, causal within the step, GQA, window on SWA layers) and
-        return ``[T, num_heads, head_dim]`` in q's dtype.
+        ``sinks``: this layer's learned sink logits, float32 ``[num_heads]`` on the backend's
+        device, in natural-log units (not multiplied by ``scaling``); each joins its head's
+        softmax denominator as ``exp(sink_h - m)`` and adds nothing to the numerator. A backend
+        whose capabilities declare ``attention_sinks=False`` refuses a non-None value
+        (``check_forward_inputs``).
+        Must: validate the inputs (``check_forward_inputs``) before any store; when
+        ``save_kv_cache``, store k/v at the hoisted ``swa_out_cache_loc`` on SWA layers and at
+        ``out_cache_loc`` on full layers, and nowhere else; then attend for every request
+        (q_len >= 1, causal within the step, GQA, window on SWA layers, ``logit_softcap`` and
+        ``sinks`` where given) and return ``[T, num_heads, head_dim]`` in q's dtype.
         Must not: translate slots, read the host, or allocate graph-visible state.
         """
 
@@ -361,10 +426,16 @@ class AttentionBackend(abc.ABC):
                 "method for this batch first; the old metadata is never reused for another batch"
             )
 
-    def check_forward_inputs(self, q, k, v, batch: ForwardBatch, save_kv_cache: bool = True) -> None:
-        """Host-side checks of one layer's inputs: the prepared batch, and q/k/v shapes, dtypes
-        (q, k and v in the pool's floating dtype) and devices. Raises ``ValueError`` /
-        ``BatchError`` naming the argument."""
+    def check_forward_inputs(
+        self, q, k, v, batch: ForwardBatch, save_kv_cache: bool = True, *, sinks: Optional[torch.Tensor] = None
+    ) -> None:
+        """Host-side checks of one layer's inputs: the prepared batch, q/k/v shapes, dtypes
+        (q, k and v in the pool's floating dtype) and devices, and ``sinks`` (None, or a
+        float32 ``[num_heads]`` tensor on the pool's device, only when the backend declares
+        ``attention_sinks``). Raises ``ValueError`` / ``BatchError`` naming the argument.
+        Reads no device value."""
+        if sinks is not None:
+            self._check_sinks(sinks)
         self._check_prepared_batch(batch)
         T = batch.num_tokens
         expected = {"q": (T, self.num_heads, self.head_dim)}
@@ -384,6 +455,21 @@ class AttentionBackend(abc.ABC):
                 )
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the KV pool on {self.device}")
+
+    def _check_sinks(self, sinks) -> None:
+        if not getattr(self, "_accepts_sinks", False):
+            raise ValueError(
+                f"sinks: the {type(self).name} backend does not support attention sinks (its capabilities "
+                "declare attention_sinks=False); pass sinks=None"
+            )
+        if not isinstance(sinks, torch.Tensor):
+            raise ValueError(f"sinks must be None or a torch.Tensor, got {type(sinks).__name__}")
+        if tuple(sinks.shape) != (self.num_heads,):
+            raise ValueError(f"sinks must be [{self.num_heads}] (one logit per q head), got {tuple(sinks.shape)}")
+        if sinks.dtype != torch.float32:
+            raise ValueError(f"sinks must be float32, got {str(sinks.dtype).replace('torch.', '')}")
+        if sinks.device != self.device:
+            raise ValueError(f"sinks is on {sinks.device}, the KV pool on {self.device}")
 
     # ------------------------------------------------------------------ device services
     # They delegate to ``device_part`` so the graph runner and the conformance suite stay

@@ -28,6 +28,9 @@ decided per GPU, graphs on this install) is what `attnplug info` shows.
 - **graphs**: the `GraphSupport` level on an install whose device graph class is present, and
   the modes it covers. `GraphRunner` captures the uniform modes (DECODE, TARGET_VERIFY,
   DRAFT_EXTEND); EXTEND runs eagerly under it.
+- **logit soft-cap**: the constructor accepts `logit_softcap=c` (logits `c * tanh(s / c)`).
+- **attention sinks**: `forward` accepts `sinks=` (a learned logit per q head in the softmax
+  denominator).
 """
 
 
@@ -38,13 +41,14 @@ def _cell(values) -> str:
 def _row(name: str, distribution: Optional[str], caps: Optional[Capabilities], problem: Optional[str]) -> str:
     dist = distribution or "-"
     if caps is None:
-        return f"| `{name}` | {dist} | {problem or 'declares nothing at class level'} |" + " |" * 8
+        return f"| `{name}` | {dist} | {problem or 'declares nothing at class level'} |" + " |" * 10
     graphs = GraphSupport(caps.graphs)
     modes = _cell(m.name for m in graphs.modes)
     return (
         f"| `{name}` | {dist} | {caps.device_type} | {'yes' if caps.needs_cpu_seq_lens else 'no'} | "
         f"{'where supported' if caps.pdl else 'no'} | {graphs.name} ({modes}) | {_cell(caps.dtypes)} | "
-        f"{_cell(caps.head_dims)} | {_cell(caps.page_sizes)} | {'yes' if caps.sliding_window else 'no'} |"
+        f"{_cell(caps.head_dims)} | {_cell(caps.page_sizes)} | {'yes' if caps.sliding_window else 'no'} | "
+        f"{'yes' if caps.logit_softcap else 'no'} | {'yes' if caps.attention_sinks else 'no'} |"
     )
 
 
@@ -58,8 +62,8 @@ def capabilities_markdown(registry=None) -> str:
     lines: List[str] = [
         _HEADER,
         "| backend | distribution | device type | needs_cpu_seq_lens | PDL | graphs | "
-        "dtypes | head dims | page sizes | sliding window |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "dtypes | head dims | page sizes | sliding window | logit soft-cap | attention sinks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     records = sorted(registry.records, key=lambda r: r.name)
     for record in records:

@@ -13,6 +13,9 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
   ships, or the portable suite (``attnplug.bench``).
 * ``attnplug soak [--backend NAME] [--steps N] [--seed S] [--page-size P] [--graphs/--no-graphs] [--json PATH]``:
   a random serving simulation checked every step (``attnplug.soak``).
+* ``attnplug generate (--model PATH | --tiny ARCH) (--prompt TEXT | --tokens IDS) [--backend NAME]
+  [--max-new-tokens N] [--device D] [--dtype T] [--graphs/--no-graphs]``: greedy generation with a
+  transformers model through attnplug (``attnplug.integrations.transformers``; extra ``hf``).
 * ``attnplug new-plugin NAME [--dir D]``: write a new plugin in the shape every plugin has
   (``attnplug.scaffold``).
 * ``attnplug --version``.
@@ -142,6 +145,14 @@ def _print_info(data: Dict[str, Any]) -> None:
     for row in data["backends"]:
         source = f" ({_dist(row['distribution'], row['version'])})" if row["distribution"] else ""
         console.print(Text(f"{row['name']}{source}: {row['reason']}"))
+        caps = row.get("capabilities") or {}
+        if row["available"] and ("logit_softcap" in caps or "attention_sinks" in caps):
+            console.print(
+                Text(
+                    f"  logit_softcap: {_cell(caps.get('logit_softcap'), True)}, "
+                    f"attention_sinks: {_cell(caps.get('attention_sinks'), True)}"
+                )
+            )
         # what a backend's describe() says beyond the table's columns
         extra = {k: v for k, v in (row.get("capabilities") or {}).items() if k not in flags} if row["available"] else {}
         for key, value in extra.items():
@@ -413,9 +424,37 @@ def _add_soak(subparsers) -> None:
     parser.set_defaults(func=_run_soak)
 
 
+# ---------------------------------------------------------------------------- generate
+def _run_generate(args: argparse.Namespace) -> int:
+    from attnplug.integrations.transformers.command import run_command
+
+    return run_command(args)
+
+
+def _add_generate(subparsers) -> None:
+    from attnplug.integrations.transformers.command import add_arguments
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate tokens with a transformers model whose attention runs through attnplug",
+        description="Greedy generation with a Hugging Face transformers causal LM whose attention layers run "
+        "through an attnplug backend (continuous batching, chunked prefill, sliding-window eviction, graphs; "
+        "docs/models.md). Needs the hf extra: pip install 'attnplug[hf]'. Exit code 2 when the run cannot start.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=_run_generate)
+
+
 # ---------------------------------------------------------------------------- entry point
 #: functions that add one subcommand each to the ``attnplug`` parser
-SUBCOMMANDS: List[Callable[[Any], None]] = [_add_info, _add_conformance, _add_bench, _add_soak, _add_new_plugin]
+SUBCOMMANDS: List[Callable[[Any], None]] = [
+    _add_info,
+    _add_conformance,
+    _add_bench,
+    _add_soak,
+    _add_generate,
+    _add_new_plugin,
+]
 
 
 def _version_text() -> str:

@@ -14,9 +14,11 @@ CHECKS = [
     "check_attention_matches_reference",
     "check_capabilities_honest",
     "check_kv_written_only_at_step_slots",
+    "check_matches_transformers",
     "check_pdl_on_off_identical",
     "check_replay_equals_eager",
     "check_replay_metadata_sync_free",
+    "check_softcap_and_sinks",
     "check_swa_buffer_contract",
     "check_translates_once_per_step",
 ]
@@ -57,8 +59,10 @@ def test_reference_passes_writes_report_and_prints_matrix(tmp_path):
     skipped = {t["check"]: t["message"] for t in tests if t["outcome"] == "skipped"}
     assert "capabilities().pdl is False" in skipped.pop("check_pdl_on_off_identical")
     assert "--attnplug-thorough" in skipped.pop("check_attention_matches_reference")  # the thorough profile only
+    # a backend that declares both features has no refusal to check
+    assert "nothing to refuse" in skipped.pop("check_softcap_and_sinks")
     assert not skipped
-    assert backend["summary"]["passed"] == len(tests) - 2
+    assert backend["summary"]["passed"] == len(tests) - 3
     # the registered backends that were not requested are listed with their reason
     assert {n["name"] for n in data["not_run"]} >= {"cuda"}
     assert all(n["reason"] for n in data["not_run"])

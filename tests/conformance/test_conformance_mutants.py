@@ -27,6 +27,7 @@ from attnplug import ForwardMode
 from attnplug.backends.reference import ReferenceBackend
 from attnplug_conformance.harness import World, WorldSpec
 from attnplug_conformance.long_context import dense_attention
+from attnplug_conformance.model_check import transformers_missing
 from attnplug_conformance.plugin import check_names
 from attnplug_conformance.rules import ALL_RULES
 
@@ -85,10 +86,14 @@ def test_control_mutant_passes_the_whole_suite():
     # skipped only from the reference's capabilities, by name; the cross product of every
     # declared shape runs only in the thorough profile
     skipped = {r.check: r.message for r in results.values() if r.outcome == "skipped"}
-    assert skipped == {
+    expected = {
         "check_pdl_on_off_identical": "capabilities().pdl is False: no PDL launches to compare",
         "check_attention_matches_reference": "runs with --attnplug-thorough (attnplug conformance --thorough)",
+        "check_softcap_and_sinks": "the backend declares logit_softcap and attention_sinks: nothing to refuse",
     }
+    if transformers_missing():  # the model-level check needs transformers
+        expected["check_matches_transformers"] = transformers_missing()
+    assert skipped == expected
 
 
 def test_declared_failure_is_still_detected():

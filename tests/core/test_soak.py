@@ -20,8 +20,8 @@ class WindowOffByOne(ReferenceBackend):
 
     name = "broken-window-off-by-one"
 
-    def _attend(self, q, keys, values, key_pos, window, md):
-        return super()._attend(q, keys, values, key_pos, window - 1 if window else None, md)
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
+        return super()._attend(q, keys, values, key_pos, window - 1 if window else None, md, sinks=sinks)
 
 
 class StoresOneSlotOff(ReferenceBackend):
@@ -43,7 +43,7 @@ class SinkLeak(ReferenceBackend):
 
     name = "broken-sink-leak"
 
-    def _attend(self, q, keys, values, key_pos, window, md):
+    def _attend(self, q, keys, values, key_pos, window, md, *, sinks=None):
         T, H, D = q.shape
         bs, K, Hkv, _ = keys.shape
         G, Q = H // Hkv, md.q_len_max

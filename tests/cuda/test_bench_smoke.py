@@ -40,6 +40,8 @@ BENCH_MODULES = [
     "decode_attention",
     "hybrid_step",
     "kernels",
+    "floor",
+    "flashinfer_peer",
 ]
 ON_CPU = not torch.cuda.is_available()
 SPEC = WorldSpec(
@@ -72,9 +74,16 @@ def test_bench_modules_import_on_cpu():
 
     assert suite_for(CudaBackend) is bench.SUITE and bench.SUITE.baseline == "before"
     assert bench.SUITE.names(default_only=True) == ["kv_store", "step_metadata", "decode_attention", "hybrid_step"]
-    assert bench.SUITE.names() == ["kv_store", "step_metadata", "decode_attention", "hybrid_step", "kernels"]
+    assert bench.SUITE.names() == [
+        "kv_store",
+        "step_metadata",
+        "decode_attention",
+        "hybrid_step",
+        "kernels",
+        "model_decode",
+    ]
     for b in bench.SUITE.benchmarks:
-        module = importlib.import_module(f"attnplug_cuda.bench.{b.name}")
+        module = importlib.import_module(b.target.partition(":")[0])
         assert module.NAME == b.name and b.load() is module.run
     assert bench.SUITE.parse_options(["skip_cpp=1", "flex_budget_s=60"])["flex_budget_s"] == 60.0
     assert callable(_load_cli().main)

@@ -28,8 +28,9 @@ TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
 PAD = -1  # a seq_len entry of PAD marks a padded request: seq_len 1, req row 0
 
 
-def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale):
-    """float64 dense masked softmax; a query with no valid key gives zeros."""
+def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale, softcap=None, sinks=None):
+    """float64 dense masked softmax; a query with no valid key gives zeros. ``softcap``:
+    logits ``c * tanh(s / c)``; ``sinks`` ([H]): one more logit per head, in the denominator only."""
     T, H, D = q.shape
     out = torch.zeros(T, H, D, dtype=torch.float64)
     qd = q.cpu().double()
@@ -43,7 +44,13 @@ def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale):
             lo = 0 if window is None else max(0, p - window + 1)
             if p >= 0:
                 logits = torch.einsum("hd,jhd->hj", qd[t], kk[lo : p + 1]) * sm_scale
-                out[t] = torch.einsum("hj,jhd->hd", torch.softmax(logits, -1), vv[lo : p + 1])
+                if softcap is not None:
+                    logits = softcap * torch.tanh(logits / softcap)
+                if sinks is not None:
+                    probs = torch.softmax(torch.cat([logits, sinks.double()[:, None]], -1), -1)[:, :-1]
+                else:
+                    probs = torch.softmax(logits, -1)
+                out[t] = torch.einsum("hj,jhd->hd", probs, vv[lo : p + 1])
             t += 1
     return out
 
@@ -62,6 +69,8 @@ def run_case(
     pdl: bool = False,
     seed: int = 0,
     check: bool = True,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     g = torch.Generator().manual_seed(seed)
     bs = len(q_lens)
@@ -129,6 +138,10 @@ def run_case(
     )
     out = torch.full((T, H, D), float("nan"), dtype=dtype, device=DEVICE)
     common = dict(cu_q_lens=cu, seq_lens=seq_t, max_q_len=max_q, window=window, config=config, pdl=pdl)
+    if softcap is not None:
+        common["softcap"] = softcap
+    if sinks is not None:
+        common["sinks"] = sinks.to(DEVICE)
     if layer == "full":
         K.paged_attention(
             to(q), to(k_full), to(v_full), out, table=to(req_to_token), table_rows=rpi, max_kv_len=max_ctx, **common
@@ -146,7 +159,7 @@ def run_case(
             max_kv_len=max_ctx,
             **common,
         )
-    want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D))
+    want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D), softcap, sinks)
     if check:
         got = out.cpu().double()
         assert torch.isfinite(got).all(), "non-finite output"
@@ -363,3 +376,40 @@ def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases):
     err = (got - want).norm() / want.norm()
     assert err <= TOL[torch.float16], f"relative error {err:.3e}"
     assert (got[q_len:] == 0).all()  # the request whose row is outside the table reads nothing
+
+
+# ---------------------------------------------------------------------------- soft-cap and sinks
+def _sinks(H: int, seed: int) -> torch.Tensor:
+    """Sink logits of the size of real ones (GPT-OSS: around -1 .. 3), one per q head."""
+    return (torch.randn(H, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5).float()
+
+
+_INTERIOR = {"PHASES": True, "BLOCK_N": 16}  # unmasked interior blocks between masked edge blocks
+_FEATURE_CASES = {
+    # id: (q_lens, seq_lens, window, layer, config, softcap, sinks)
+    "decode-full-both": ([1] * 4, [PAD, 9, 37, 70], None, "full", None, 1.5, True),  # a padded request
+    "decode-swa-sinks": ([1] * 4, [PAD, 9, 37, 70], 16, "swa", None, None, True),
+    "extend-swa-softcap": ([5, 1, 12, 7], [5, 30, 40, 27], 8, "swa", None, 1.5, False),
+    "interior-full-softcap": ([30, 9, 17, 5], [70, 41, 64, 37], None, "full", _INTERIOR, 2.0, False),
+    "interior-swa-split-both": ([30, 9, 17, 5], [70, 41, 64, 37], 17, "swa", {**_INTERIOR, "num_splits": 3}, 2.0, True),
+    # KV splits: the sink joins the denominator once, in the combine kernel
+    "split-full-sinks": ([1, 1, 2], [PAD, 80, 45], None, "full", {"num_splits": 3, "BLOCK_N": 16}, None, True),
+    "split-swa-both": ([1, 1, 2], [PAD, 80, 45], 50, "swa", {"num_splits": 4, "BLOCK_N": 16}, 1.5, True),
+}
+
+
+@pytest.mark.parametrize("case", list(_FEATURE_CASES))
+def test_softcap_and_sinks_match_float64(case):
+    """Soft-capped logits and sink logits against the float64 formula, in every loop shape
+    (masked, unmasked interior, KV splits with the combine kernel), and they change the result
+    (the case has teeth: the same inputs without them are far from the expected output)."""
+    q_lens, seq_lens, window, layer, config, softcap, with_sinks = _FEATURE_CASES[case]
+    H = 8
+    sinks = _sinks(H, 7) if with_sinks else None
+    kw = dict(H=H, Hkv=2, D=64, window=window, layer=layer, config=config, seed=21)
+    out, want = run_case(q_lens, seq_lens, softcap=softcap, sinks=sinks, **kw)  # checks against float64
+    out_plain, _ = run_case(q_lens, seq_lens, check=False, **kw)
+    got, base = out.cpu().double(), out_plain.cpu().double()
+    assert (got - base).norm() / want.norm() > 20 * TOL[torch.float16], "the feature changed nothing"
+    no_key = want.norm(dim=-1) == 0  # the padded request's query: zeros, never NaN
+    assert (got[no_key] == 0).all()

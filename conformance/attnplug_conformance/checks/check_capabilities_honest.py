@@ -37,6 +37,8 @@ _FIELDS = {
     "pdl": bool,
     "graphs": GraphSupport,
     "sliding_window": bool,
+    "logit_softcap": bool,
+    "attention_sinks": bool,
 }
 
 

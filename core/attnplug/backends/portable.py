@@ -5,7 +5,8 @@ only, so it runs unchanged on any device PyTorch supports. The reference backend
 conformance suite's oracle) is this base under its own name; a plugin without fused kernels
 (Ascend, XPU, a new device's first backend) subclasses it and sets its ``device_part``. It is
 written for clarity, not speed: each layer gathers the keys of every request into a padded
-``[bs, K, num_kv_heads, head_dim]`` block and runs a masked softmax.
+``[bs, K, num_kv_heads, head_dim]`` block and runs a masked softmax (logits soft-capped when
+the backend is built with ``logit_softcap``; the layer's ``sinks`` in the denominator).
 
 Per step (``init_forward_metadata`` or the graph-replay path), from device tensors only:
 
@@ -105,8 +106,15 @@ class PortableBackend(AttentionBackend):
     head_dims: ClassVar[Tuple[int, ...]] = (16, 32, 64, 80, 96, 128, 256)
     page_sizes: ClassVar[Tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
 
-    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
-        super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
+    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
+        super().__init__(
+            pool,
+            req_to_token_pool,
+            num_heads=num_heads,
+            sliding_window=sliding_window,
+            scaling=scaling,
+            logit_softcap=logit_softcap,
+        )
         self.has_swa = bool(pool.swa_layer_ids)
         self.forward_metadata: Optional[_StepMetadata] = None
         #: the static graph buffers (``init_cuda_graph_state``); None before
@@ -125,6 +133,8 @@ class PortableBackend(AttentionBackend):
             head_dims=tuple(cls.head_dims),
             page_sizes=tuple(cls.page_sizes),
             sliding_window=True,
+            logit_softcap=True,
+            attention_sinks=True,
         )
 
     @property
@@ -283,12 +293,12 @@ class PortableBackend(AttentionBackend):
         return 1
 
     # ------------------------------------------------------------------ the layer
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         md = self.forward_metadata
         if md is None:
             raise RuntimeError("forward() before init_forward_metadata() for this step")
         T = batch.num_tokens
-        self.check_forward_inputs(q, k, v, batch, save_kv_cache)
+        self.check_forward_inputs(q, k, v, batch, save_kv_cache, sinks=sinks)
         is_swa = self.pool.is_swa_layer(layer_id)
         if save_kv_cache:
             self._store_kv(layer_id, is_swa, k, v, md)
@@ -304,7 +314,7 @@ class PortableBackend(AttentionBackend):
             key_pos = torch.arange(slots.shape[1], device=q.device)[None, :]
         key_pos = torch.where(slots > 0, key_pos, _NO_KEY)  # slot 0 (sink / no slot): no key
         window = self.sliding_window if is_swa else None
-        return self._attend(q, k_cache[slots], v_cache[slots], key_pos, window, md)
+        return self._attend(q, k_cache[slots], v_cache[slots], key_pos, window, md, sinks=sinks)
 
     def _store_kv(self, layer_id: int, is_swa: bool, k, v, md: _StepMetadata) -> None:
         """Store at the step's hoisted slots. A token whose slot is outside the pool (mapped
@@ -319,8 +329,10 @@ class PortableBackend(AttentionBackend):
         else:
             self.pool.set_kv_buffer(layer_id, loc, k, v)
 
-    def _attend(self, q, keys, values, key_pos, window, md: _StepMetadata) -> torch.Tensor:
-        """q [T, H, D]; keys/values [bs, K, Hkv, D]; key_pos [bs or 1, K] positions."""
+    def _attend(self, q, keys, values, key_pos, window, md: _StepMetadata, *, sinks=None) -> torch.Tensor:
+        """q [T, H, D]; keys/values [bs, K, Hkv, D]; key_pos [bs or 1, K] positions; sinks
+        None or float32 [H]. Logits ``scaling * q.k``, soft-capped by ``self.logit_softcap``
+        before the mask; a sink joins its head's denominator only."""
         T, H, D = q.shape
         bs, K, Hkv, _ = keys.shape
         G, Q = H // Hkv, md.q_len_max
@@ -339,10 +351,18 @@ class PortableBackend(AttentionBackend):
         keys = torch.where(seen, keys, 0)
         values = torch.where(seen, values, 0)
         scores = torch.einsum("bqhgd,bkhd->bhgqk", qp.view(bs, Q, Hkv, G, D), keys.to(cdt)) * self.scaling
+        if self.logit_softcap is not None:
+            scores = self.logit_softcap * torch.tanh(scores / self.logit_softcap)
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         row_max = scores.amax(-1, keepdim=True)
+        sink = None
+        if sinks is not None:
+            sink = sinks.to(cdt).view(1, Hkv, G, 1, 1)
+            row_max = torch.maximum(row_max, sink)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         p = torch.exp(scores - row_max)
         denom = p.sum(-1, keepdim=True)
+        if sink is not None:
+            denom = denom + torch.exp(sink - row_max)
         out = torch.einsum("bhgqk,bkhd->bqhgd", p / denom.clamp_min(torch.finfo(cdt).tiny), values.to(cdt))
         return out.reshape(bs, Q, H, D)[md.token_req, md.token_idx].to(q.dtype)

@@ -19,6 +19,7 @@ import torch
 
 from ..batch import ForwardMode
 from .context import Ctx
+from .model_decode import BENCHMARK as MODEL_DECODE
 from .step_case import StepShape, StepVariant, run_step_benchmark
 from .suite import Benchmark, Suite
 
@@ -77,6 +78,7 @@ SUITE = Suite(
             "whole steps of a small hybrid model through GraphRunner vs eager steps",
             reserve_s=10.0,
         ),
+        MODEL_DECODE,
     ],
     options={"dtype": "auto"},
     isolate=False,

@@ -1,13 +1,17 @@
-"""The run's outputs: the printed table (rich), the JSON file and the closing summary line."""
+"""The run's outputs: the printed table (rich), the JSON file and the closing summary line.
+
+``python -m attnplug.bench.report BENCH_JSON [--only NAME ...]`` prints the table of a
+written run again (only the rows of the named benchmarks with ``--only``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
-__all__ = ["results_table", "print_report", "write_json", "format_value"]
+__all__ = ["results_table", "print_report", "write_json", "format_value", "main"]
 
 
 def format_value(value: Any) -> str:
@@ -118,3 +122,30 @@ def write_json(result: Dict[str, Any], path: Optional[str]) -> None:
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1, default=str)
     os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Print the table of a ``bench.json`` (see the module docstring); 2 when it cannot be read."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m attnplug.bench.report", description="print a bench.json's table")
+    p.add_argument("json", help="a bench.json written by attnplug bench")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="only the rows of these benchmarks")
+    args = p.parse_args(argv)
+    try:
+        with open(args.json) as f:
+            result = json.load(f)
+        rows = result["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"attnplug.bench.report: cannot read {args.json!r}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if args.only:
+        rows = [r for r in rows if r.get("benchmark") in args.only]
+    names = ", ".join(args.only) if args.only else "every benchmark"
+    title = f"{names}: backend {result.get('backend', '-')} on {result.get('device', '-')}"
+    _console().print(results_table(rows, title=title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

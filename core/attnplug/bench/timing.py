@@ -118,6 +118,22 @@ class Timer:
         finally:
             del graph
 
+    def replay_us(self, fn: Callable[[], object], *, calls: int, repeats: int, warmup: int = 2) -> float:
+        """``fn`` captured once in the backend's graph, then timed as whole steps are
+        (``wall_us`` of back-to-back replays): what one replay costs with the device kept busy."""
+        marker = torch.zeros(1, device=self.device)
+
+        def step() -> torch.Tensor:
+            fn()
+            return marker
+
+        graph = self.new_graph()
+        graph.capture(step)
+        try:
+            return self.wall_us(graph.replay, calls=calls, repeats=repeats, warmup=warmup)
+        finally:
+            del graph
+
     def wall_us(self, fn: Callable[[], object], *, calls: int, repeats: int, warmup: int = 2) -> float:
         """Median over ``repeats`` of (wall clock of ``calls`` back-to-back ``fn()``, then one
         synchronisation) / ``calls``: what a caller pays per call with the device kept busy."""

@@ -131,9 +131,11 @@ def build_world(
     )
 
 
-def make_step(backend, world: HybridWorld, max_tokens: int, *, seed: int = 1):
+def make_step(backend, world: HybridWorld, max_tokens: int, *, seed: int = 1, record: bool = False):
     """``step(batch, inputs)``: every layer's attention over static random q/k/v of that
-    layer; returns the last layer's output ``[T, H, D]``."""
+    layer (the same tensors for the same ``seed``, whatever the backend); returns the last
+    layer's output ``[T, H, D]``. ``record``: each call also leaves every layer's output in
+    ``step.recorded`` (a list of ``L`` tensors; for eager checks, never inside a graph)."""
     L, H, Hkv, D = world.num_layers, world.num_heads, world.num_kv_heads, world.head_dim
     dev, dtype = world.pool.device, world.pool.dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -144,8 +146,12 @@ def make_step(backend, world: HybridWorld, max_tokens: int, *, seed: int = 1):
     def step(batch: ForwardBatch, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         T = batch.num_tokens
         out: Optional[torch.Tensor] = None
+        if record:
+            step.recorded = []
         for l in range(L):
             out = backend.forward(q_all[l, :T], k_all[l, :T], v_all[l, :T], l, batch)
+            if record:
+                step.recorded.append(out)
         return out
 
     step.tensors = (q_all, k_all, v_all)  # keep alive with the step

@@ -7,10 +7,16 @@ at run time:
 
 1. copies the real step into the static buffers and pads up to the bucket: padded requests
    get ``req_pool_indices = 0`` and ``seq_lens = backend.get_cuda_graph_seq_len_fill_value()``,
-   padded tokens ``out_cache_loc = 0`` (slot 0, the sink) and zero inputs;
+   padded tokens ``out_cache_loc = 0`` (slot 0, the sink), position 0 and zero inputs. A
+   backend that declares ``copies_replay_batch`` does the batch part itself, inside its
+   replay metadata (announced with ``backend.set_replay_source(batch, static)``): the runner
+   then copies only the model inputs;
 2. calls ``backend.init_forward_metadata_replay_cuda_graph`` on the padded static batch (the
    ONE translation of the step happens there, into ``cuda_graph_swa_out_cache_loc``);
 3. replays the graph and returns the first ``T`` rows of the static output.
+
+Steps 1-2 are ``prepare(batch, inputs)`` (all host work of a replay), step 3 is ``replay()``;
+``run`` is the two together, or the eager step when ``prepare`` finds no graph.
 
 A step that no graph covers (mode not captured, more requests than the largest bucket)
 runs eagerly: ``init_forward_metadata`` (which translates once) and ``step``.
@@ -35,6 +41,11 @@ runner holds no reference cycle: dropping the last reference to a runner frees i
 once, never later inside some other capture.
 
 Every replay-path operation is a device copy/fill: the runner never reads device values.
+The preparation does as few device operations as it can: one grouped copy of the step into
+the static buffers (``torch._foreach_copy_``), a padding fill only when rows the graph reads
+may still hold an earlier, larger step's values (the runner tracks how far each static buffer
+holds real rather than padding values; ``capture()`` resets them all to padding), views cached
+per size, and a per-mode table from batch size to graph.
 """
 
 from __future__ import annotations
@@ -42,8 +53,8 @@ from __future__ import annotations
 import functools
 import logging
 import traceback
-from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -114,6 +125,13 @@ class _Captured:
     graph: DeviceGraph
     batch: ForwardBatch  # padded static batch (views of the runner's buffers)
     output: torch.Tensor  # static output the graph rewrites on replay
+    rows: Dict[int, torch.Tensor] = field(default_factory=dict)  # n -> output[:n] (cached views)
+
+    def output_rows(self, n: int) -> torch.Tensor:
+        view = self.rows.get(n)
+        if view is None:
+            view = self.rows[n] = self.output[:n]
+        return view
 
 
 class GraphRunner:
@@ -177,6 +195,20 @@ class GraphRunner:
         self.inputs = {
             name: torch.zeros((n, *shape), dtype=dtype, device=dev) for name, (shape, dtype) in inputs.items()
         }
+        #: the backend writes the padded batch into the static buffers itself (replay metadata)
+        self.backend_copies_batch = bool(getattr(backend, "copies_replay_batch", False))
+        self._input_names = tuple(self.inputs)
+        # Replay-path caches: views per size, and how far each static buffer may hold values
+        # other than padding (rows past it hold padding: no fill needed there).
+        self._request_views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._token_views: Dict[int, Tuple[torch.Tensor, ...]] = {}  # (out_cache_loc, positions, *inputs)
+        self._dirty_requests = 0  # req_pool_indices, seq_lens
+        self._dirty_tokens = 0  # out_cache_loc and the inputs
+        self._dirty_positions = 0
+        #: mode -> (num_draft_tokens the graphs need or None, [bs] -> graph or None); see _route
+        self._routes: Dict[ForwardMode, Tuple[Optional[int], List[Optional[_Captured]]]] = {}
+        self._prepared: Optional[Tuple[_Captured, int]] = None  # what replay() runs next
+        self._grouped_copy = True  # torch._foreach_copy_ works here (cleared on first failure)
         self.graphs: Dict[GraphKey, _Captured] = {}
         #: (mode, bucket) -> why its capture failed (those buckets run in a larger bucket or eagerly)
         self.capture_failures: Dict[GraphKey, str] = {}
@@ -212,6 +244,8 @@ class GraphRunner:
         module docstring); ``strict``: then raise ``GraphCaptureError`` after trying every
         bucket. Calling it again recaptures every bucket.
         """
+        self._prepared = None
+        self._reset_padding()
         with collector.collector_paused(collect=False):  # device graphs collect once, before their first capture
             for mode in self.modes:
                 for bs in reversed(self.bucket_sizes):
@@ -223,6 +257,7 @@ class GraphRunner:
                     except Exception as exc:
                         self._record_failure(key, exc)
         self.capture_ran = True
+        self._build_routes()
         for mode in self.modes:
             if not any(k[0] is mode for k in self.graphs):
                 logger.error(
@@ -282,16 +317,34 @@ class GraphRunner:
         }
 
     # ------------------------------------------------------------------ run
+    def _build_routes(self) -> None:
+        """Per captured mode, a table from batch size to the smallest captured bucket that
+        holds it (None: no graph), so a step finds its graph with one index."""
+        routes = {}
+        for mode in self.modes:
+            sizes = sorted(b for (m, b) in self.graphs if m is mode)
+            table: List[Optional[_Captured]] = [None] * (self.max_bs + 1)
+            for bs in range(1, self.max_bs + 1):
+                bucket = next((b for b in sizes if b >= bs), None)
+                table[bs] = None if bucket is None else self.graphs[(mode, bucket)]
+            routes[mode] = (self.num_draft_tokens if mode.is_speculative else None, table)
+        self._routes = routes
+
+    def _route(self, batch: ForwardBatch) -> Optional[_Captured]:
+        """The graph that replays ``batch`` (host values only), or None (eager)."""
+        route = self._routes.get(batch.forward_mode)
+        if route is None:
+            return None
+        ndt, table = route
+        bs = batch.batch_size
+        if bs >= len(table) or (ndt is not None and batch.num_draft_tokens != ndt):
+            return None
+        return table[bs]
+
     def bucket_for(self, batch: ForwardBatch) -> Optional[int]:
         """The smallest captured bucket that holds ``batch``, or None (eager)."""
-        if batch.forward_mode not in self.modes:
-            return None
-        if batch.forward_mode.is_speculative and batch.num_draft_tokens != self.num_draft_tokens:
-            return None
-        for bs in self.bucket_sizes:
-            if bs >= batch.batch_size and (batch.forward_mode, bs) in self.graphs:
-                return bs
-        return None
+        captured = self._route(batch)
+        return None if captured is None else captured.batch.batch_size
 
     def why_eager(self, batch: ForwardBatch) -> Optional[str]:
         """Why ``run(batch)`` would run eagerly now, or None when it replays a graph (host
@@ -347,39 +400,150 @@ class GraphRunner:
         ``run()`` of this runner (read it, or ``clone()`` it, before then). The first step of a
         captured mode captures every graph when ``capture()`` was never called. A step no graph
         covers runs eagerly (``init_forward_metadata`` + ``step``); ``why_eager`` says why.
+        ``run`` is ``prepare`` then ``replay`` when a graph covers the step.
         """
+        if self.prepare(batch, inputs):
+            return self.replay()
+        self._note_eager(batch)
+        self.backend.init_forward_metadata(batch)
+        return self.step(batch, dict(inputs))
+
+    def prepare(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """All host work of one replay, without the replay: capture on first use, find the
+        graph, copy ``batch`` and ``inputs[name]`` (``[T, *shape]``, at least ``T`` rows) into
+        the static buffers padded to the bucket (see the module docstring; an input that is
+        ``runner.inputs[name][:T]`` itself, written in place by the engine, is not copied),
+        and the backend's ``init_forward_metadata_replay_cuda_graph`` on the padded static
+        batch. Returns True
+        when a graph covers the step (call ``replay()`` next), False when ``run`` would run
+        it eagerly (then nothing was copied or prepared). Sync-free: device copies and fills
+        only, never a device read. Calling it again replaces the prepared step."""
+        self._prepared = None
         if not self.capture_ran and batch.forward_mode in self.modes:
             logger.info(
                 "GraphRunner(%s): capturing on first use (first %s step)", self.backend.name, batch.forward_mode.name
             )
             self.capture()
-        bucket = self.bucket_for(batch)
-        if bucket is None:
-            self._note_eager(batch)
-            self.backend.init_forward_metadata(batch)
-            return self.step(batch, dict(inputs))
-        captured = self.graphs[(batch.forward_mode, bucket)]
-        bs, n = batch.batch_size, batch.num_tokens
-        self._copy_padded(self.req_pool_indices, batch.req_pool_indices, bs, bucket, 0)
-        self._copy_padded(self.seq_lens, batch.seq_lens, bs, bucket, self.fill_value)
-        nb = captured.batch.num_tokens
-        self._copy_padded(self.out_cache_loc, batch.out_cache_loc, n, nb, 0)
-        if batch.positions is not None:
-            self._copy_padded(self.positions, batch.positions, n, nb, 0)
-        for name, buf in self.inputs.items():
-            self._copy_padded(buf, inputs[name], n, nb, 0)
+        captured = self._route(batch)
+        if captured is None:
+            return False
         static = captured.batch
+        n = batch.num_tokens
+        if self.backend_copies_batch:
+            self._copy_inputs(inputs, n)
+        else:
+            self._copy_batch(batch, inputs, n)
         if self.needs_cpu_seq_lens:
-            static = _with_seq_lens_cpu(static, batch, bucket, self.fill_value)
+            static = _with_seq_lens_cpu(static, batch, static.batch_size, self.fill_value)
+        if self.backend_copies_batch:
+            self.backend.set_replay_source(batch, static)
         self.backend.init_forward_metadata_replay_cuda_graph(static)
-        captured.graph.replay()
-        return captured.output[:n]
+        self._prepared = (captured, n)
+        return True
 
-    @staticmethod
-    def _copy_padded(dst: torch.Tensor, src: torch.Tensor, n: int, padded: int, fill) -> None:
-        dst[:n].copy_(src[:n])
-        if padded > n:
-            dst[n:padded].fill_(fill)
+    def replay(self) -> torch.Tensor:
+        """Replay the graph of the step the last ``prepare()`` prepared (once) and return its
+        first ``T`` output rows: a view of the static output, valid until the next replay."""
+        prepared = self._prepared
+        if prepared is None:
+            raise RuntimeError("replay() needs a step prepared by prepare() (which returned True) and not replayed yet")
+        self._prepared = None
+        captured, n = prepared
+        captured.graph.replay()
+        return captured.output_rows(n)
+
+    # ------------------------------------------------------------------ static buffers
+    def _views_for_requests(self, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        views = self._request_views.get(bs)
+        if views is None:
+            views = self._request_views[bs] = (self.req_pool_indices[:bs], self.seq_lens[:bs])
+        return views
+
+    def _views_for_tokens(self, n: int) -> Tuple[torch.Tensor, ...]:
+        views = self._token_views.get(n)
+        if views is None:
+            views = (self.out_cache_loc[:n], self.positions[:n], *(self.inputs[k][:n] for k in self._input_names))
+            self._token_views[n] = views
+        return views
+
+    def _copy_batch(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], n: int) -> None:
+        """Copy the step and its inputs into the static buffers in one grouped copy, then pad
+        the rows that may still hold an earlier step's values."""
+        bs = batch.batch_size
+        req, seq = self._views_for_requests(bs)
+        tok = self._views_for_tokens(n)
+        dst = [req, seq, tok[0]]
+        src = [batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc]
+        if batch.positions is not None:
+            dst.append(tok[1])
+            src.append(batch.positions)
+        self._add_inputs(dst, src, inputs, tok, n)
+        self._copy_all(dst, src)
+        if self._dirty_requests > bs:
+            self.req_pool_indices[bs : self._dirty_requests].zero_()
+            self.seq_lens[bs : self._dirty_requests].fill_(self.fill_value)
+        self._dirty_requests = bs
+        if batch.positions is not None:
+            if self._dirty_positions > n:
+                self.positions[n : self._dirty_positions].zero_()
+            self._dirty_positions = n
+        self._pad_tokens(n, with_out_cache_loc=True)
+
+    def _copy_inputs(self, inputs: Mapping[str, torch.Tensor], n: int) -> None:
+        """The model inputs only (the backend copies the batch itself)."""
+        if not self._input_names:
+            return
+        dst: List[torch.Tensor] = []
+        src: List[torch.Tensor] = []
+        self._add_inputs(dst, src, inputs, self._views_for_tokens(n), n)
+        if dst:
+            self._copy_all(dst, src)
+        self._pad_tokens(n, with_out_cache_loc=False)
+
+    def _add_inputs(self, dst: list, src: list, inputs: Mapping[str, torch.Tensor], tok: tuple, n: int) -> None:
+        """Queue each input's copy, except an input the engine wrote in place: the view
+        ``runner.inputs[name][:T]`` itself (same memory, same layout: nothing to copy)."""
+        for name, view in zip(self._input_names, tok[2:]):
+            x = inputs[name]
+            if x.data_ptr() == view.data_ptr() and x.shape == view.shape and x.stride() == view.stride():
+                continue
+            dst.append(view)
+            src.append(x if x.shape[0] == n else x[:n])
+
+    def _copy_all(self, dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+        """``dst[i].copy_(src[i])`` for every i (none: nothing): one grouped call (``torch._foreach_copy_``)
+        where this torch has it for the device, else one copy each (decided on first use)."""
+        if not dst:
+            return
+        if len(dst) > 1 and self._grouped_copy:
+            try:
+                torch._foreach_copy_(dst, src)
+                return
+            except (AttributeError, NotImplementedError):
+                self._grouped_copy = False  # no grouped copy on this device: one copy each
+            except RuntimeError:
+                pass  # e.g. mismatched shapes: the single copies below raise the clear error
+        for d, x in zip(dst, src):
+            d.copy_(x)
+
+    def _pad_tokens(self, n: int, *, with_out_cache_loc: bool) -> None:
+        end = self._dirty_tokens
+        if end > n:
+            if with_out_cache_loc:
+                self.out_cache_loc[n:end].zero_()
+            for buf in self.inputs.values():
+                buf[n:end].zero_()
+        self._dirty_tokens = n
+
+    def _reset_padding(self) -> None:
+        """Every static buffer back to padding values (capture runs on padding only)."""
+        self.req_pool_indices.zero_()
+        self.seq_lens.fill_(self.fill_value)
+        self.out_cache_loc.zero_()
+        self.positions.zero_()
+        for buf in self.inputs.values():
+            buf.zero_()
+        self._dirty_requests = self._dirty_tokens = self._dirty_positions = 0
 
 
 def _why_not_captured(

@@ -50,13 +50,19 @@ def exact_attention(
     new_tokens: Sequence[int],
     window: Optional[int],
     scaling: float,
+    *,
+    logit_softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact output of one layer for every new token of one step.
 
     ``q``: ``[T, H, D]`` float64 (the step's queries, request by request); ``keys`` /
     ``values``: ``[bs, K, Hkv, D]`` float64, request ``i``'s k/v at positions ``[0, K)`` (only
     ``[0, seq_lens[i])`` is read); the last ``new_tokens[i]`` of its ``seq_lens[i]`` positions
-    are the queries. ``window`` is None on full layers. Returns ``[T, H, D]`` float64.
+    are the queries. ``window`` is None on full layers. Logits are ``s = scaling * q.k``,
+    capped to ``c * tanh(s / c)`` when ``logit_softcap=c``; ``sinks`` (``[H]``, natural-log
+    units) joins each head's softmax as one more logit whose value weight is zero. Returns
+    ``[T, H, D]`` float64.
     """
     T, H, D = q.shape
     bs, kmax, hkv, _ = keys.shape
@@ -76,8 +82,15 @@ def exact_attention(
     if window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
     scores = torch.einsum("bqkgd,bjkd->bkgqj", qp.view(bs, qmax, hkv, group, D), keys) * scaling
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
     scores = scores.masked_fill(~mask[:, None, None], -math.inf)
+    if sinks is not None:  # one more column per head: in the denominator, never in P.V
+        sink = sinks.to("cpu", torch.float64).view(1, hkv, group, 1, 1).expand(bs, hkv, group, qmax, 1)
+        scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows have no key: zero
+    if sinks is not None:
+        probs = probs[..., :kmax]
     out = torch.einsum("bkgqj,bjkd->bqkgd", probs, values).reshape(bs, qmax, H, D)
     return out[token_req, token_idx]
 

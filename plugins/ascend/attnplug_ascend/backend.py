@@ -25,8 +25,15 @@ class AscendBackend(PortableBackend):
     needs_cpu_seq_lens = False
     device_part = AscendDevice()
 
-    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
+    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
         npu_module()
         if pool.device.type != "npu":
             raise ValueError(f"the ascend backend needs a pool on an NPU device, got {pool.device}")
-        super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
+        super().__init__(
+            pool,
+            req_to_token_pool,
+            num_heads=num_heads,
+            sliding_window=sliding_window,
+            scaling=scaling,
+            logit_softcap=logit_softcap,
+        )

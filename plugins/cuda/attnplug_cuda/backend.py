@@ -20,13 +20,13 @@ Options (environment, read at construction):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
-from attnplug.batch import ForwardBatch
+from attnplug.batch import BatchError, ForwardBatch
 from attnplug.env import validation_enabled
 from attnplug.graph_buffers import GraphBuffers
 
@@ -47,8 +47,12 @@ class _StepTables:
     swa_out_cache_loc: Optional[torch.Tensor]  # [T] int32: hoisted SWA slots of the new tokens
     swa_window_table: Optional[torch.Tensor]  # [bs, width] int32: SWA slots of the window
     workspace: Optional[torch.Tensor]  # fp32 split-KV scratch (graph mode: static)
+    fused: bool = False  # each layer is one store_attend launch (small steps)
     relaunch: Optional[object] = None  # graph mode: repeats the metadata launch (same buffers)
     relaunch_key: tuple = ()  # the batch tensors relaunch was built for
+    # graph mode, copies from the engine's step: (step dtypes, positions given) ->
+    # (the static tensors it writes, the Relaunch that takes each step's tensors)
+    padded_launches: Dict[tuple, tuple] = field(default_factory=dict)
 
 
 class CudaBackend(AttentionBackend):
@@ -56,10 +60,18 @@ class CudaBackend(AttentionBackend):
 
     name = "cuda"
     needs_cpu_seq_lens = False
+    copies_replay_batch = True  # the one metadata launch also fills the runner's static batch
     device_part = CudaDevice()
 
-    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
-        super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
+    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
+        super().__init__(
+            pool,
+            req_to_token_pool,
+            num_heads=num_heads,
+            sliding_window=sliding_window,
+            scaling=scaling,
+            logit_softcap=logit_softcap,
+        )
         if self.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"the cuda backend needs a pool on a CUDA device, got {self.device} "
@@ -71,7 +83,12 @@ class CudaBackend(AttentionBackend):
         self._kv_store_triton = kernels.kv_store
         self._paged_attention = kernels.paged_attention
         self._step_metadata = kernels.step_metadata
+        self._per_step_args = kernels.step_metadata_per_step_args
+        self._padded_copy = kernels.step_metadata_padded_copy
         self._workspace_numel = kernels.workspace_numel
+        self._store_attend = kernels.store_attend
+        self._fused_eligible = kernels.store_attend_eligible
+        self._num_sms = kernels.num_sms(self.device)
         self.pdl, self.pdl_reason = pdl_supported(self.device)
         self.kv_store_impl, self.kv_store_reason = kv_store_choice()
         self.has_swa = bool(pool.swa_layer_ids)
@@ -82,9 +99,20 @@ class CudaBackend(AttentionBackend):
         self._graph_buffers: Optional[GraphBuffers] = None
         self._graph_tables: Dict[Tuple[int, int], _StepTables] = {}
         self._validate_replay = False
+        self._replay_source: Optional[Tuple[ForwardBatch, ForwardBatch]] = None  # set_replay_source
         # Row b of the window table belongs to request b: rows for as many requests as a step
         # can hold (eager: live requests; graphs: padded buckets, see init_cuda_graph_state).
         self._table_rows = torch.arange(req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device)
+        # store_attend's split partials and its per-(request, kv head) tickets: allocated once,
+        # shared by eager steps and graphs (every launch leaves the tickets at zero)
+        self._fused_workspace = torch.empty(
+            kernels.store_attend_workspace_numel(self.head_dim, self._num_sms),
+            dtype=torch.float32,
+            device=self.device,
+        )
+        self._tickets = torch.zeros(
+            self._table_rows.shape[0] * self.num_kv_heads, dtype=torch.int32, device=self.device
+        )
 
     # ------------------------------------------------------------------ description
     @classmethod
@@ -99,6 +127,8 @@ class CudaBackend(AttentionBackend):
             head_dims=(64, 128, 256),
             page_sizes=(1, 2, 4, 8, 16, 32, 64),
             sliding_window=True,
+            logit_softcap=True,
+            attention_sinks=True,
         )
 
     def capabilities(self) -> Capabilities:
@@ -108,9 +138,10 @@ class CudaBackend(AttentionBackend):
     def _table_width(self, max_q_len: int) -> int:
         return min(self.max_context_len, self.sliding_window + max_q_len - 1)
 
-    def _fill(self, batch: ForwardBatch, t: _StepTables):
-        """The step's ONE metadata launch, writing into ``t``'s tensors; returns its
-        ``Relaunch`` (repeats the identical launch with minimal host work)."""
+    def _fill(self, batch: ForwardBatch, t: _StepTables, padded=None):
+        """The step's ONE metadata launch, writing into ``t``'s tensors (and, with
+        ``padded``, a ``PaddedCopy`` of the static batch, the step copied and padded into
+        it); returns its ``Relaunch`` (repeats the launch with minimal host work)."""
         extend = batch.q_len if batch.q_len is not None else batch.extend_seq_lens
         return self._step_metadata(
             batch.req_pool_indices,
@@ -126,6 +157,16 @@ class CudaBackend(AttentionBackend):
             swa_window_table=t.swa_window_table,
             window=self.sliding_window if self.has_swa else None,
             pdl=self.pdl,
+            positions=batch.positions if padded is not None else None,
+            padded=padded,
+            fill_value=self.get_cuda_graph_seq_len_fill_value(),
+        )
+
+    def _fused_step(self, bs: int, max_q_len: int) -> bool:
+        """Whether a step of ``bs`` requests with up to ``max_q_len`` new tokens each runs one
+        ``store_attend`` launch per layer (small steps) instead of a store + attention."""
+        return self._fused_eligible(
+            bs, self.num_kv_heads, max_q_len, self.num_heads // self.num_kv_heads, self._num_sms
         )
 
     @staticmethod
@@ -156,6 +197,7 @@ class CudaBackend(AttentionBackend):
             swa_out_cache_loc=torch.empty(T, **i32) if self.has_swa else None,
             swa_window_table=torch.empty(bs, self._table_width(max_q), **i32) if self.has_swa else None,
             workspace=None,
+            fused=self._fused_step(bs, max_q),
         )
         if bs:
             self._fill(batch, t)
@@ -180,6 +222,7 @@ class CudaBackend(AttentionBackend):
             buffers.add("swa_window_table", max_bs * self.sliding_window + max_num_tokens, **i32)
         if max_bs > self._table_rows.shape[0]:  # padded buckets may exceed the request table
             self._table_rows = torch.arange(max_bs, dtype=torch.int32, device=dev)
+            self._tickets = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=dev)
         self._graph_buffers = buffers
         self._graph_tables = {}
         # Read once here, not per replay: the replay path does no new host work by default.
@@ -208,6 +251,7 @@ class CudaBackend(AttentionBackend):
                 swa_out_cache_loc=self.cuda_graph_swa_out_cache_loc if self.has_swa else None,
                 swa_window_table=table,
                 workspace=b["workspace"],
+                fused=self._fused_step(bs, batch.q_len),
             )
             self._graph_tables[key] = t
         return t
@@ -226,7 +270,20 @@ class CudaBackend(AttentionBackend):
         self.forward_metadata = t
         self._note_prepared_batch(batch)
 
+    def set_replay_source(self, batch: ForwardBatch, static: ForwardBatch) -> None:
+        """The next replay metadata call of ``static`` copies ``batch`` into it, padded, in
+        its one launch (``AttentionBackend.set_replay_source``). Host checks only."""
+        if batch.out_cache_loc.device != self.device:
+            raise BatchError(f"out_cache_loc is on {batch.out_cache_loc.device}, the KV pool on {self.device}")
+        self._replay_source = (batch, static)
+
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
+        source = self._replay_source
+        if source is not None:
+            self._replay_source = None
+            if source[1] is batch:
+                self._replay_from(source[0], batch)
+                return
         if self._validate_replay:  # ATTNPLUG_VALIDATE=1 at init_cuda_graph_state: reads (syncs)
             self.check_batch(batch, read_device=True)
         t = self._graph_views(batch)
@@ -237,6 +294,28 @@ class CudaBackend(AttentionBackend):
             t.relaunch, t.relaunch_key = self._fill(batch, t), key
         self.forward_metadata = t
         self._note_prepared_batch(batch)
+
+    def _replay_from(self, step: ForwardBatch, static: ForwardBatch) -> None:
+        """Replay metadata of ``static`` that first copies the engine's ``step`` into it: the
+        one launch reads the step's tensors (any addresses: they are per-step arguments of
+        the launch) and writes the static batch, padded, with everything else."""
+        if self._validate_replay:
+            self.check_batch(step, read_device=True)
+        t = self._graph_views(static)
+        rows, lens, loc, pos = step.req_pool_indices, step.seq_lens, step.out_cache_loc, step.positions
+        dst = (static.req_pool_indices, static.seq_lens, static.out_cache_loc, static.positions)
+        key = (rows.dtype, lens.dtype, pos is None)
+        entry = t.padded_launches.get(key)
+        if entry is not None:
+            e = entry[0]
+            if e[0] is dst[0] and e[1] is dst[1] and e[2] is dst[2] and e[3] is dst[3]:
+                entry[1](*self._per_step_args(rows, lens, loc, pos))
+                self.forward_metadata = t
+                self._note_prepared_batch(static)
+                return
+        t.padded_launches[key] = (dst, self._fill(step, t, padded=self._padded_copy(*dst)))
+        self.forward_metadata = t
+        self._note_prepared_batch(static)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -259,31 +338,32 @@ class CudaBackend(AttentionBackend):
 
     def _attend(
         self,
-        q,
-        k_cache,
-        v_cache,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        loc: Optional[torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         is_swa: bool,
         batch: ForwardBatch,
         t: _StepTables,
-        swa_window_table: Optional[torch.Tensor],
-        pdl: bool,
+        sinks: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """Paged attention of one layer: full layers through ``req_to_token`` rows, SWA
-        layers through the window table (only the keys the window reaches)."""
+        """Attention of one layer: full layers through ``req_to_token`` rows, SWA layers
+        through the window table (only the keys the window reaches); the backend's
+        ``logit_softcap`` and the layer's ``sinks`` (float32 ``[num_heads]`` or None).
+        Small steps (``t.fused``) run ``store_attend``, which also stores k/v at ``loc``
+        (None: stored already, or not saved); other steps get ``loc=None`` here."""
         out = torch.empty_like(q)
         if batch.num_tokens == 0:
             return out
         if is_swa:
-            table, rows, start = swa_window_table, self._table_rows, t.window_start
-            max_kv, window = swa_window_table.shape[1], self.sliding_window
+            table, rows, start = t.swa_window_table, self._table_rows, t.window_start
+            max_kv, window = t.swa_window_table.shape[1], self.sliding_window
         else:
             table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
             max_kv, window = self.max_context_len, None
-        return self._paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            out,
+        common = dict(
             cu_q_lens=t.cu_q_lens,
             seq_lens=batch.seq_lens,
             table=table,
@@ -293,16 +373,25 @@ class CudaBackend(AttentionBackend):
             max_kv_len=max_kv,
             sm_scale=self.scaling,
             window=window,
-            workspace=t.workspace,
-            pdl=pdl,
+            softcap=self.logit_softcap,
+            sinks=sinks,
+            pdl=self.pdl,
         )
+        if t.fused:
+            return self._store_attend(
+                q, k, v, loc, k_cache, v_cache, out, workspace=self._fused_workspace, tickets=self._tickets, **common
+            )
+        return self._paged_attention(q, k_cache, v_cache, out, workspace=t.workspace, **common)
 
-    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True):
-        self.check_forward_inputs(q, k, v, batch, save_kv_cache)
+    def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
+        self.check_forward_inputs(q, k, v, batch, save_kv_cache, sinks=sinks)
         t = self._step_tables()
         is_swa = self.pool.is_swa_layer(layer_id)
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
+        loc = None
         if save_kv_cache:
             loc = t.swa_out_cache_loc[: batch.num_tokens] if is_swa else batch.out_cache_loc
-            self._store(k, v, k_cache, v_cache, loc)
-        return self._attend(q, k_cache, v_cache, is_swa, batch, t, t.swa_window_table, self.pdl)
+            if not (t.fused and self.kv_store_impl == "triton"):  # a separate store launch
+                self._store(k, v, k_cache, v_cache, loc)
+                loc = None
+        return self._attend(q, k, v, loc, k_cache, v_cache, is_swa, batch, t, sinks)

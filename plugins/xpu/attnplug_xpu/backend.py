@@ -24,7 +24,14 @@ class XpuBackend(PortableBackend):
     needs_cpu_seq_lens = False
     device_part = XpuDevice()
 
-    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
+    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
         if pool.device.type != "xpu":
             raise ValueError(f"the xpu backend needs a pool on an XPU device, got {pool.device}")
-        super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
+        super().__init__(
+            pool,
+            req_to_token_pool,
+            num_heads=num_heads,
+            sliding_window=sliding_window,
+            scaling=scaling,
+            logit_softcap=logit_softcap,
+        )

@@ -12,11 +12,16 @@ benchmark             what it measures (each module's docstring has the details 
 ``decode_attention``  SWA decode at 32k context (window 4096): achieved TB/s against the copy
                       bandwidth, SDPA, gather + SDPA and flex_attention peers
 ``hybrid_step``       whole 48-layer hybrid steps (decode, draft-extend) through the graph
-                      runner: cuda backend vs ``BeforeBackend``
+                      runner: cuda backend vs ``BeforeBackend``, each step against its launch
+                      and bandwidth floors, PDL on vs off, FlashInfer's attention where
+                      ``import flashinfer`` works, the replay preparation at bs 128
 ``kernels``           (only with ``--only kernels``) each kernel alone on its own tensors:
                       attention cases checked against float32 torch, a 32-layer step with PDL
                       on / off, the store and the metadata kernel; ``--set sweep=1`` adds
                       block-size / split sweeps
+``model_decode``      (only with ``--only model_decode``) decode tokens/s of a 1B-class Gemma3 text
+                      model through ``Engine`` vs transformers' static-cache generate
+                      (``attnplug.bench.model_decode``; needs transformers)
 ====================  =========================================================================
 
 Options (``--set NAME=VALUE``): ``skip_cpp`` (do not build the CUDA C++ KV store),
@@ -31,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Optional
 
 from attnplug.bench import Benchmark, Suite, SuiteUnavailable
+from attnplug.bench.model_decode import BENCHMARK as MODEL_DECODE
 
 __all__ = ["SUITE", "NeedsCudaDevice", "run_benchmarks", "DEFAULT_BUDGET_S"]
 
@@ -108,13 +114,18 @@ SUITE = Suite(
         _b("kv_store", "61 per-layer KV stores in one CUDA graph vs translate + index_put", 60.0),
         _b("step_metadata", "host cost of one graph replay's preparation, syncs, enqueue-ahead", 60.0),
         _b("decode_attention", "SWA decode at 32k context: TB/s vs copy bandwidth and peers", 45.0),
-        _b("hybrid_step", "whole 48-layer hybrid steps through GraphRunner: new vs before", 150.0),
+        _b(
+            "hybrid_step",
+            "whole 48-layer hybrid steps through GraphRunner: new vs before, floors, PDL on/off, FlashInfer",
+            240.0,
+        ),
         _b(
             "kernels",
             "each kernel alone: attention cases, 32-layer step PDL on/off, store, metadata",
             120.0,
             default=False,
         ),
+        MODEL_DECODE,
     ],
     requires=_require_cuda,
     environment=_environment,

@@ -44,6 +44,7 @@ class BeforeBackend(CudaBackend):
 
     name = "cuda-before"
     needs_cpu_seq_lens = True
+    copies_replay_batch = False  # the graph runner copies the step into its static batch
 
     def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
         super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
@@ -99,5 +100,29 @@ class BeforeBackend(CudaBackend):
                 self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v, swa_loc=swa_loc)
             else:
                 self.pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
-        table = self._window_table(batch, t) if is_swa and batch.num_tokens else None
-        return self._attend(q, k_cache, v_cache, is_swa, batch, t, table, pdl=False)
+        out = torch.empty_like(q)
+        if batch.num_tokens == 0:
+            return out
+        if is_swa:
+            table = self._window_table(batch, t)
+            rows, start, max_kv, window = self._table_rows, t.window_start, table.shape[1], self.sliding_window
+        else:
+            table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
+            max_kv, window = self.max_context_len, None
+        return self._paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            cu_q_lens=t.cu_q_lens,
+            seq_lens=batch.seq_lens,
+            table=table,
+            table_rows=rows,
+            table_start=start,
+            max_q_len=t.max_q_len,
+            max_kv_len=max_kv,
+            sm_scale=self.scaling,
+            window=window,
+            workspace=t.workspace,
+            pdl=False,
+        )

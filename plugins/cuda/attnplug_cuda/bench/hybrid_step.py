@@ -16,21 +16,54 @@ Time per full step = wall clock of N back-to-back ``runner.run`` calls (host pre
 replay, the GPU kept busy) followed by one synchronize, divided by N; median of a few
 repeats (``attnplug.bench.step_case``). Target: before / new >= 1.5x at every bs; the two
 paths' outputs must agree.
+
+Around the new path's steps, in the same run:
+
+* **floors**: each ``new`` row carries its floor and % of floor: the launch floor (a graph of
+  as many empty Triton kernels as the step launches, counted with ``torch.profiler``, with
+  PDL where the backend uses it: ``floor.EmptyKernelFloor``) and the bandwidth floor (the
+  step's bytes, ``attnplug.bench.floors.step_bytes``, at the device-to-device copy bandwidth
+  measured first); times held to ``TIME_TARGETS_US``;
+* **PDL**: at bs 1 the same backend built with ``ATTNPLUG_DISABLE_PDL=1`` (variant
+  ``new-no-pdl``): ``new-no-pdl / new`` held to ``>= 1.15x``, and every layer's output must
+  be bit-identical;
+* **FlashInfer** (``flashinfer_peer``; DECODE, when ``import flashinfer`` works): its
+  attention-only time for all layers in one graph, and ``flashinfer / new`` held to
+  ``FLASHINFER_TARGETS``;
+* **replay preparation** at DECODE bs 128: host time of ``runner.run`` with the replay
+  skipped (``attnplug.bench.step_case.replay_prep_us``), held to ``<= 30 us``.
 """
 
 from __future__ import annotations
 
-from typing import List
+import contextlib
+import os
+from typing import Iterator, List
 
 import torch
 
 from attnplug import ForwardMode
 from attnplug.bench import Ctx
-from attnplug.bench.step_case import StepShape, StepVariant, run_step_benchmark
+from attnplug.bench.step_case import PrepCheck, StepPeer, StepRatio, StepShape, StepVariant, run_step_benchmark
+from attnplug.env import DISABLE_PDL
 
 NAME = "hybrid_step"
 NUM_LAYERS, CONTEXT, WINDOW, NUM_DRAFT = 48, 1024, 256, 4
 TARGET_SPEEDUP = 1.5
+#: (mode, bs) -> microseconds per whole step the new path is held to (an H200)
+TIME_TARGETS_US = {
+    (ForwardMode.DECODE, 1): 150.0,
+    (ForwardMode.DECODE, 8): 250.0,
+    (ForwardMode.DECODE, 64): 1450.0,
+    (ForwardMode.DECODE, 128): 2750.0,
+    (ForwardMode.DRAFT_EXTEND, 1): 180.0,
+    (ForwardMode.DRAFT_EXTEND, 8): 300.0,
+}
+#: whole-step speedup of PDL on over PDL off, at the batch sizes below
+PDL_TARGET, PDL_SIZES = 1.15, (1,)
+#: bs -> FlashInfer attention-only time / the new path's whole step, held at these sizes
+FLASHINFER_TARGETS = {1: 3.0, 8: 3.0, 64: 1.4}
+PREP_BS, PREP_TARGET_US = 128, 30.0
 SHAPE = StepShape(
     num_layers=NUM_LAYERS,
     num_heads=32,
@@ -43,16 +76,61 @@ SHAPE = StepShape(
 )
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def cuda_backend_without_pdl(*args, **kwargs):
+    """The cuda backend constructed with ``ATTNPLUG_DISABLE_PDL=1`` (read at construction)."""
+    from ..backend import CudaBackend
+
+    with _env(DISABLE_PDL.name, "1"):
+        backend = CudaBackend(*args, **kwargs)
+    if backend.pdl:
+        raise RuntimeError("ATTNPLUG_DISABLE_PDL=1 did not turn PDL off in the cuda backend")
+    return backend
+
+
 def variants() -> dict:
-    """``new``: the cuda backend (``seq_lens_cpu=None``); ``before``: ``BeforeBackend``."""
+    """``new``: the cuda backend (``seq_lens_cpu=None``; floors measured); ``before``:
+    ``BeforeBackend``; ``new-no-pdl``: the cuda backend without PDL, at ``PDL_SIZES``."""
     from ..backend import CudaBackend
     from .before import BeforeBackend
 
-    return {"new": StepVariant(make=CudaBackend), "before": StepVariant(make=BeforeBackend, with_cpu=True)}
+    return {
+        "new": StepVariant(make=CudaBackend, floor=True),
+        "before": StepVariant(make=BeforeBackend, with_cpu=True),
+        "new-no-pdl": StepVariant(make=cuda_backend_without_pdl, sizes=PDL_SIZES, vs_baseline=False),
+    }
+
+
+def flashinfer_peer() -> StepPeer:
+    from . import flashinfer_peer as fi
+
+    return StepPeer(
+        name=fi.NAME,
+        measure=fi.measure,
+        against="new",
+        modes=(ForwardMode.DECODE,),
+        target=lambda mode, bs: FLASHINFER_TARGETS.get(bs),
+        what="attention only, every layer in one graph",
+    )
 
 
 def run(ctx: Ctx) -> List[dict]:
+    from .floor import EmptyKernelFloor
+
     sizes = (1, 64) if ctx.quick else (1, 8, 32, 64, 128)
+    pdl_ratio = StepRatio(slow="new-no-pdl", fast="new", target=PDL_TARGET, identical=True)
     return run_step_benchmark(
         ctx,
         name=NAME,
@@ -65,4 +143,9 @@ def run(ctx: Ctx) -> List[dict]:
         repeats=3 if ctx.quick else 5,
         target_speedup=TARGET_SPEEDUP,
         tolerance=1e-2,
+        time_targets=TIME_TARGETS_US,
+        launch_floor=EmptyKernelFloor(ctx.timer, repeats=3 if ctx.quick else 5),
+        ratios=[pdl_ratio],
+        peers=[flashinfer_peer()],
+        prep=PrepCheck(variant="new", bs=PREP_BS, target_us=PREP_TARGET_US, iters=300 if ctx.quick else 2000),
     )

@@ -11,9 +11,9 @@ Per case and path (new = the cuda backend, before = ``BeforeBackend``):
 (a) device launches of one ``init_forward_metadata_replay_cuda_graph`` (torch.profiler,
     kernels and memcpys counted apart): target exactly 1 kernel, 0 copies for the new path;
     also the launches of the whole preparation (runner copies + metadata);
-(b) host time of one replay preparation = ``runner.run`` with the graph's replay replaced by a
-    no-op (the runner's static copies + the backend's replay metadata), median over many
-    calls; target <= 30 us at bs = 128;
+(b) host time of one replay preparation = ``runner.prepare`` (``runner.run`` without the
+    replay: the runner's static copies + the backend's replay metadata), median over many
+    calls (``attnplug.bench.step_case.replay_prep_us``); target <= 30 us at bs = 128;
 (c) sync-free: ``runner.run`` (preparation + replay) under
     ``torch.cuda.set_sync_debug_mode("error")``; the new path must not raise (the before
     path is expected to);
@@ -31,19 +31,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from attnplug.bench import Ctx, free_memory, row
+from attnplug.bench.step_case import replay_prep_us
 
 NAME = "step_metadata"
 CONTEXT, WINDOW, NUM_DRAFT, NUM_LAYERS = 1024, 256, 4, 4
 TARGET_PREP_US = 30.0
 ENQUEUE_STEPS = 8
 SLEEP_MS = 20.0
-
-
-class _NoReplay:
-    """Stands in for a captured graph: replay does nothing (isolates the preparation)."""
-
-    def replay(self) -> None:
-        pass
 
 
 def _is_device_event(e) -> bool:
@@ -155,33 +149,34 @@ def _run_path(
                 device_ops=names,
             )
         )
-    real_graph = captured.graph
-    captured.graph = _NoReplay()
-    try:
-        k, c, names = count_launches(lambda: runner.run(batch, inputs))
-        res["kernels"], res["copies"] = k, c
-        rows.append(
-            row(
-                NAME,
-                case,
-                "prep device ops (runner copies + metadata)",
-                None if k is None else k + c,
-                "ops",
-                kernels=k,
-                copies=c,
-                device_ops=names,
-            )
+
+    def prepare() -> None:
+        if not runner.prepare(batch, inputs):
+            raise RuntimeError(f"{case}: no captured graph serves the step: {runner.why_eager(batch)}")
+
+    k, c, names = count_launches(prepare)
+    res["kernels"], res["copies"] = k, c
+    rows.append(
+        row(
+            NAME,
+            case,
+            "prep device ops (runner copies + metadata)",
+            None if k is None else k + c,
+            "ops",
+            kernels=k,
+            copies=c,
+            device_ops=names,
         )
-        # (b) host time of one preparation
-        res["prep_us"] = us = ctx.timer.host_us(lambda: runner.run(batch, inputs), iters=iters)
-        rows.append(row(NAME, case, "host prep time", us, "us", variant=path, bs=bs, series=mode.name.lower()))
-        if path == "new":
-            res["md_us"] = ctx.timer.host_us(
-                lambda: backend.init_forward_metadata_replay_cuda_graph(captured.batch), iters=iters
-            )
-            rows.append(row(NAME, case, "host time, backend metadata only", res["md_us"], "us"))
-    finally:
-        captured.graph = real_graph
+    )
+    # (b) host time of one preparation
+    res["prep_us"] = us = replay_prep_us(ctx.timer, runner, batch, inputs, iters=iters)
+    rows.append(row(NAME, case, "host prep time", us, "us", variant=path, bs=bs, series=mode.name.lower()))
+    if path == "new":
+        res["md_us"] = ctx.timer.host_us(
+            lambda: backend.init_forward_metadata_replay_cuda_graph(captured.batch), iters=iters
+        )
+        rows.append(row(NAME, case, "host time, backend metadata only", res["md_us"], "us"))
+    torch.cuda.synchronize()
     ctx.log(f"  {case:24s} prep {us:8.2f} us  ({k} kernels + {c} copies)")
 
     # (c) sync-free preparation + replay

@@ -12,6 +12,8 @@ module              what it does (the Triton kernel's name, as profiler traces s
 ``paged_attention`` ``paged_attention`` (``_paged_attention_kernel``, and
                     ``_split_combine_kernel`` when decode splits the KV range): attention over
                     the paged cache for every mode (grouped-query tiles, flash-decoding)
+``store_attend``    ``store_attend`` (``_store_attend_kernel``): small steps (decode, verify,
+                    draft extend): a layer's KV store, attention and split merge in ONE launch
 ``interpret``       ``use_interpreter()``: run the kernels on the CPU through the Triton
                     interpreter (plus two fixes for Triton 3.6's interpreter)
 ==================  ==========================================================================
@@ -35,16 +37,22 @@ __all__ = ["pdl_supported", "load_kernels"]
 
 @functools.lru_cache(maxsize=None)
 def load_kernels() -> types.SimpleNamespace:
-    """Import the kernel modules (and Triton) and return their entry points: ``kv_store``,
-    ``step_metadata``, ``paged_attention`` and ``workspace_numel``. Raises ImportError when
+    """Import the kernel modules (and Triton) and return their entry points. Raises ImportError when
     Triton is missing."""
     from . import kv_store as _kv
     from . import paged_attention as _pa
     from . import step_metadata as _sm
+    from . import store_attend as _sa
 
     return types.SimpleNamespace(
         kv_store=_kv.kv_store,
         step_metadata=_sm.step_metadata,
+        step_metadata_per_step_args=_sm.per_step_args,
+        step_metadata_padded_copy=_sm.PaddedCopy,
         paged_attention=_pa.paged_attention,
         workspace_numel=_pa.workspace_numel,
+        store_attend=_sa.store_attend,
+        store_attend_eligible=_sa.eligible,
+        store_attend_workspace_numel=_sa.store_attend_workspace_numel,
+        num_sms=_sa.num_sms,
     )

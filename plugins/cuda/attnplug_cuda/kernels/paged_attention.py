@@ -26,9 +26,18 @@ layers pass the step's ``swa_window_table`` with ``table_rows=arange(bs)`` and
 
 Semantics: new token ``i`` of request ``b`` sits at position ``p = seq_len - q_len_b + i`` and
 attends to keys ``lo <= j <= p`` with ``lo = max(0, p - W + 1)`` under a window ``W``, else
-0; q head ``h`` uses kv head ``h // G``. Logits are ``sm_scale * q.k``, the
+0; q head ``h`` uses kv head ``h // G``. Logits are ``s = sm_scale * q.k``, the
 softmax runs in base 2 with ``log2(e)`` folded into the scale, accumulation is fp32, the
 output has q's dtype. A query with no valid key (a padded request) outputs zeros.
+
+Soft-capping (``softcap=c``, constexpr ``SOFTCAP``): logits become ``c * tanh(s / c)`` before
+the masks. The cap is taken in natural units (the scale passed is ``sm_scale / c``) and the
+result converted to base 2 by multiplying with ``c * log2(e)``; ``tanh`` is computed from
+``exp2`` of a clamped argument (no ``inf``, no NaN, the same on every Triton version and
+under the interpreter). Sinks (``sinks``: float32 ``[H]``, natural-log units, constexpr
+``HAS_SINKS``): each head's denominator gains ``exp(sink_h - m)``; with KV splits only the
+combine kernel adds it (once), without splits the attention kernel's epilogue does. With
+neither, both kernels compile to the plain path.
 
 Out-of-range indices never read outside the tensors: a ``table_rows`` entry outside
 ``[0, R)`` reads row 0, and a table entry outside ``[1, S)`` (0 = the padding sink, -1 = no
@@ -92,12 +101,21 @@ ensure_interpreter_compat()
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1), with exp through exp2 of x clamped to [-15, 15]
+    (tanh(15) rounds to 1 in fp32): never inf, never NaN."""
+    e = tl.math.exp2(tl.minimum(tl.maximum(x, -15.0), 15.0) * 2.8853900817779268)  # 2 * log2(e)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
 def _attend_block(
     acc,
     l_i,
     m_i,
     q,
     qk_scale,
+    softcap_log2,
     start,
     s_hi,
     pos,
@@ -116,8 +134,12 @@ def _attend_block(
     HAS_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One block of BLOCK_N keys from ``start``: online-softmax update of (acc, l, m).
+    Logits in base 2: ``qk * qk_scale`` (``qk_scale = sm_scale * log2(e)``), or with
+    ``SOFTCAP`` ``tanh(qk * qk_scale) * softcap_log2`` (``qk_scale = sm_scale / c``,
+    ``softcap_log2 = c * log2(e)``), in every block, masked or not.
     MASKED=False only for blocks that every row sees whole (no causal / window / range mask).
     A column whose slot is outside ``[1, num_slots)`` (the sink 0, -1 "no slot", garbage) is
     no key in both kinds of block: its K/V are never loaded (masked loads, zeros) and its
@@ -140,7 +162,10 @@ def _attend_block(
     kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    qk = qk * qk_scale + no_key[None, :]
+    if SOFTCAP:
+        qk = _tanh(qk * qk_scale) * softcap_log2 + no_key[None, :]
+    else:
+        qk = qk * qk_scale + no_key[None, :]
     if MASKED:
         keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
         if HAS_WINDOW:
@@ -169,7 +194,9 @@ def _paged_attention_kernel(
     Table,
     TableRows,
     TableStart,
-    qk_scale,  # sm_scale * log2(e)
+    Sinks,  # [H] float32 sink logits (natural log); read only with HAS_SINKS
+    qk_scale,  # sm_scale * log2(e); with SOFTCAP: sm_scale / c
+    softcap_log2,  # with SOFTCAP: c * log2(e)
     window,
     num_kv_heads,
     stride_qt,
@@ -190,6 +217,8 @@ def _paged_attention_kernel(
     HAS_TABLE_START: tl.constexpr,
     PRECISION: tl.constexpr,
     PHASES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -268,30 +297,39 @@ def _paged_attention_kernel(
         # fmt: off
         for i in range(0, i0):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION
+                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start,
+                table_width, num_slots, K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D,
+                PRECISION, SOFTCAP
             )
         for i in range(i0, i1):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, EVEN_D, PRECISION
+                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start,
+                table_width, num_slots, K, V, kv_stride, kv_col, d_valid, BLOCK_N, False, HAS_WINDOW, EVEN_D,
+                PRECISION, SOFTCAP
             )
         for i in range(i1, n_blocks):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, table_width, num_slots,
-                K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION
+                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start,
+                table_width, num_slots, K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D,
+                PRECISION, SOFTCAP
             )
         # fmt: on
     else:
         # fmt: off
         for start in range(s_lo, s_hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, start, s_hi, pos, lo, t_row, t_start, table_width, num_slots, K, V,
-                kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION
+                acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo, t_row, t_start, table_width,
+                num_slots, K, V, kv_stride, kv_col, d_valid, BLOCK_N, True, HAS_WINDOW, EVEN_D, PRECISION, SOFTCAP
             )
         # fmt: on
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink joins the denominator only (with splits: in the combine kernel, once)
+            sink = tl.load(Sinks + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rd_mask)
@@ -311,6 +349,7 @@ def _split_combine_kernel(
     PartL,
     PartAcc,
     Out,
+    Sinks,  # [H] float32 sink logits (natural log); read only with HAS_SINKS
     num_heads,
     stride_ot,
     stride_oh,
@@ -318,6 +357,7 @@ def _split_combine_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -331,8 +371,14 @@ def _split_combine_kernel(
     d_valid = offs_d < HEAD_DIM
     m = tl.load(PartM + base + offs_s, mask=s_valid, other=float("-inf"))
     l = tl.load(PartL + base + offs_s, mask=s_valid, other=0.0)
-    w = tl.math.exp2(m - tl.max(m, 0))
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:  # the head's sink joins the denominator once, here (never per split)
+        sink = tl.load(Sinks + h) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    w = tl.math.exp2(m - m_max)
     total = tl.sum(w * l, 0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - m_max)
     acc = tl.load(
         PartAcc + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
         mask=s_valid[:, None] & d_valid[None, :],
@@ -434,8 +480,14 @@ def paged_attention(
     workspace: Optional[torch.Tensor] = None,
     pdl: bool = False,
     config: Optional[dict] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write attention of ``q`` over the paged cache into ``out`` and return ``out``.
+
+    ``softcap``: None, or ``c > 0``: logits ``c * tanh(sm_scale * q.k / c)``. ``sinks``: None,
+    or float32 ``[H]`` on q's device: per-head sink logits (natural log) added to the softmax
+    denominator.
 
     ``max_q_len`` (>= every request's new tokens) and ``max_kv_len`` (>= every ``seq_len``)
     are host bounds that size the grid; the kernels read the real lengths on the device.
@@ -480,6 +532,13 @@ def paged_attention(
         assert t is None or t.device == device, f"{name} is on {t.device}, q on {device}"
     if window is not None:
         assert isinstance(window, int) and window >= 1, f"window must be None or an int >= 1, got {window!r}"
+    if softcap is not None:
+        assert math.isfinite(softcap) and softcap > 0, f"softcap must be None or a finite float > 0, got {softcap!r}"
+    if sinks is not None:
+        assert sinks.shape == (H,) and sinks.dtype == torch.float32 and sinks.is_contiguous(), (
+            f"sinks must be contiguous float32 [{H}], got {tuple(sinks.shape)} {sinks.dtype}"
+        )
+        assert sinks.device == device, f"sinks is on {sinks.device}, q on {device}"
     assert isinstance(max_q_len, int) and isinstance(max_kv_len, int), "max_q_len / max_kv_len are host ints"
     if T == 0 or bs == 0:
         return out
@@ -533,7 +592,9 @@ def paged_attention(
         table,
         table_rows,
         table_start if table_start is not None else table_rows,
-        float(sm_scale) * _LOG2E,
+        sinks if sinks is not None else q,  # not read without HAS_SINKS
+        float(sm_scale) / softcap if softcap is not None else float(sm_scale) * _LOG2E,
+        float(softcap) * _LOG2E if softcap is not None else 0.0,
         window if window is not None else 0,
         hkv,
         q.stride(0),
@@ -554,6 +615,8 @@ def paged_attention(
         HAS_TABLE_START=table_start is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PHASES=bool(plan["PHASES"]),
+        SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         PDL=pdl,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
@@ -566,6 +629,7 @@ def paged_attention(
             part_l,
             part_acc,
             out,
+            sinks if sinks is not None else out,  # not read without HAS_SINKS
             H,
             out.stride(0),
             out.stride(1),
@@ -573,6 +637,7 @@ def paged_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
             BLOCK_S=block_s,
+            HAS_SINKS=sinks is not None,
             PDL=pdl,
             num_warps=1 if block_s * block_d <= 1024 else 4,
             **extra,

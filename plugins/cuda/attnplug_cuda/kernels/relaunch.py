@@ -6,9 +6,15 @@ addresses or shapes) and the host ints are the same. ``Relaunch`` makes the firs
 through the normal ``kernel[grid](...)`` path (which compiles and specialises), keeps the
 compiled kernel, and repeats the launch by calling Triton's launcher directly — skipping the
 argument binding, specialisation and cache lookup that cost tens of microseconds per call.
-It is exact only for identical arguments; callers must build a new ``Relaunch`` when any
-argument changes. Where no compiled kernel comes back (the interpreter), it re-runs the
-normal path.
+It is exact only for identical arguments, with one exception: the first ``per_step``
+positional arguments may be replaced on each call (``relaunch(*new_front)``), which is valid
+only when the kernel never specialises on them (``do_not_specialize``) and the new values
+have the same types (same tensor dtypes, ints of the same width). Callers build a new
+``Relaunch`` when any other argument changes. Where no compiled kernel comes back (the
+interpreter), it re-runs the normal path.
+
+Host work per call: one current-stream lookup and the compiled launcher (plus one tuple
+concatenation when the per-step arguments are replaced).
 """
 
 from __future__ import annotations
@@ -19,17 +25,25 @@ __all__ = ["Relaunch"]
 
 
 class Relaunch:
-    """``Relaunch(jit_fn, grid, args, kwargs)`` launches once; calling it launches again."""
+    """``Relaunch(jit_fn, grid, args, kwargs, per_step=0)`` launches once; ``relaunch()``
+    launches again with the same arguments, ``relaunch(*front)`` with the first ``per_step``
+    positional arguments replaced by ``front`` (see the module docstring)."""
 
-    __slots__ = ("jit_fn", "grid", "args", "kwargs", "_compiled", "_all", "_driver", "_knobs")
+    __slots__ = ("jit_fn", "grid", "args", "kwargs", "per_step", "_compiled", "_all", "_rest", "_driver", "_knobs")
 
-    def __init__(self, jit_fn, grid: Tuple[int, ...], args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+    def __init__(
+        self, jit_fn, grid: Tuple[int, ...], args: Sequence[Any], kwargs: Dict[str, Any], per_step: int = 0
+    ) -> None:
         self.jit_fn, self.grid, self.args, self.kwargs = (
             jit_fn,
             tuple(grid) + (1,) * (3 - len(grid)),
             tuple(args),
             kwargs,
         )
+        if not 0 <= per_step <= len(self.args):
+            raise ValueError(f"per_step must lie in 0..{len(self.args)}, got {per_step}")
+        self.per_step = per_step
+        self._rest: Tuple[Any, ...] = ()
         compiled = jit_fn[grid](*self.args, **kwargs)
         self._compiled = compiled if hasattr(compiled, "packed_metadata") else None
         self._all: Tuple[Any, ...] = ()
@@ -37,16 +51,23 @@ class Relaunch:
             values = dict(zip(jit_fn.arg_names, self.args))
             values.update((k, v) for k, v in kwargs.items() if k in jit_fn.arg_names)
             self._all = tuple(values[name] for name in jit_fn.arg_names)
+            if any(a is not b for a, b in zip(self._all[:per_step], self.args[:per_step])):
+                raise ValueError("the per-step arguments must be the kernel's first positional arguments")
+            self._rest = self._all[per_step:]
             from triton import knobs
             from triton.runtime import driver
 
             self._driver, self._knobs = driver, knobs
 
-    def __call__(self) -> None:
+    def __call__(self, *front: Any) -> None:
         ck = self._compiled
+        if front and len(front) != self.per_step:
+            raise ValueError(f"expected {self.per_step} per-step arguments, got {len(front)}")
         if ck is None:
-            self.jit_fn[self.grid](*self.args, **self.kwargs)
+            args = front + self.args[self.per_step :] if front else self.args
+            self.jit_fn[self.grid](*args, **self.kwargs)
             return
+        all_args = front + self._rest if front else self._all
         active = self._driver.active
         stream = active.get_current_stream(active.get_current_device())
         g0, g1, g2 = self.grid
@@ -58,8 +79,8 @@ class Relaunch:
             stream,
             ck.function,
             ck.packed_metadata,
-            ck.launch_metadata(self.grid, stream, *self._all),
+            ck.launch_metadata(self.grid, stream, *all_args),
             hooks.launch_enter_hook,
             hooks.launch_exit_hook,
-            *self._all,
+            *all_args,
         )

@@ -32,13 +32,24 @@ INCLUDING the new tokens), ``extend_lens``: a host int (uniform modes: 1 for dec
 ``extend_seq_lens`` tensor (EXTEND), ``out_cache_loc`` [T] int64, ``full_to_swa_index_mapping``
 [M] int32, ``req_to_token`` [R, C] int32.
 
+Padded copy (graph replay of a step in a larger captured bucket, ``padded=PaddedCopy(...)``):
+the launch reads the engine's own step tensors and also writes them, padded, into the graph's
+static ``req_pool_indices`` / ``seq_lens`` [bs_padded] and ``out_cache_loc`` / ``positions``
+[T_padded]: padded requests get row 0 and ``fill_value``, padded tokens slot 0 and position 0.
+Every output above is then computed for the padded step, exactly as a launch over the filled
+static tensors would. This folds the graph runner's copies into the one launch. The step's
+tensors, sizes and strides are the kernel's per-step arguments (``_PER_STEP``, never
+specialised), so ``Relaunch`` repeats the launch for each new step with only those replaced.
+
 Grid: ONE launch, 1-D, programs split by role; no program depends on another's output:
 
 * programs ``[0, NB_LOC)``: ``BLOCK_T`` entries each of ``swa_out_cache_loc`` (translation
-  and tail zeroing); program 0 also writes ``cu_q_lens[0] = 0``;
+  and tail zeroing) and of the padded ``out_cache_loc`` / ``positions``; program 0 also
+  writes ``cu_q_lens[0] = 0``;
 * programs ``[NB_LOC, NB_LOC + bs * NCHUNK)``: request ``b``, window-table chunk ``c`` of
-  ``BLOCK_W`` columns. Chunk 0 also writes ``cu_q_lens[b + 1]``, ``window_start[b]`` and the
-  request's ``token_pos``, computing its own prefix sum of the extend lens with masked loads.
+  ``BLOCK_W`` columns. Chunk 0 also writes ``cu_q_lens[b + 1]``, ``window_start[b]``, the
+  request's ``token_pos`` and its padded ``req_pool_indices`` / ``seq_lens``, computing its
+  own prefix sum of the extend lens with masked loads.
 
 PDL: ``gdc_wait`` first (``seq_lens`` and friends may have just been written by a copy),
 ``gdc_launch_dependents`` after the last store.
@@ -46,7 +57,7 @@ PDL: ``gdc_wait`` first (``seq_lens`` and friends may have just been written by 
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -55,7 +66,7 @@ import triton.language as tl
 from .interpret import ensure_interpreter_compat
 from .relaunch import Relaunch
 
-__all__ = ["step_metadata"]
+__all__ = ["step_metadata", "per_step_args", "PaddedCopy"]
 
 _BLOCK_T = 1024  # swa_out_cache_loc entries / token positions per program iteration
 _BLOCK_W = 1024  # window-table columns per program
@@ -64,12 +75,39 @@ _MAX_BLOCK_BS = 1024  # extend lens summed per iteration of the prefix sum
 ensure_interpreter_compat()
 
 
-@triton.jit
+#: arguments that change from one replay to the next (the engine's tensors and sizes): never
+#: specialised, so one compiled kernel serves every step (``Relaunch`` replaces them per call)
+_PER_STEP = (
+    "ReqPoolIdx",
+    "SeqLens",
+    "OutCacheLoc",
+    "Positions",
+    "num_reqs",
+    "num_tokens",
+    "stride_req",
+    "stride_seq",
+    "stride_loc",
+    "stride_pos",
+)
+
+
+@triton.jit(do_not_specialize=_PER_STEP)
 def _step_metadata_kernel(
     ReqPoolIdx,
     SeqLens,
-    ExtLens,
     OutCacheLoc,
+    Positions,
+    num_reqs,  # real requests (< the grid's bs: the rest are padding)
+    num_tokens,  # T: real tokens
+    stride_req,
+    stride_seq,
+    stride_loc,
+    stride_pos,
+    ExtLens,
+    DstReqPoolIdx,
+    DstSeqLens,
+    DstOutCacheLoc,
+    DstPositions,
     Mapping,
     ReqToToken,
     SwaLoc,
@@ -77,7 +115,7 @@ def _step_metadata_kernel(
     WinStart,
     TokenPos,
     Table,
-    num_tokens,  # T
+    padded_tokens,  # tokens of the padded step (== num_tokens without padding)
     loc_len,  # L: length of the swa_out_cache_loc buffer
     mapping_len,  # M
     stride_r2t,
@@ -87,12 +125,15 @@ def _step_metadata_kernel(
     width,
     q_len_uniform,
     window,
+    fill_value,  # seq_lens of a padded request
     NB_LOC,
     NCHUNK,
     UNIFORM: tl.constexpr,
     HAS_SWA: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_TABLE: tl.constexpr,
+    COPY: tl.constexpr,
+    HAS_POS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_BS: tl.constexpr,
@@ -102,23 +143,31 @@ def _step_metadata_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     if pid < NB_LOC:
-        # ---- role 1: translate out_cache_loc, zero the buffer's tail
+        # ---- role 1: token block: the padded copy, translate out_cache_loc, zero the tail
         if pid == 0:
             tl.store(CuQ, 0)
+        offs = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        real = offs < num_tokens
+        padded = offs < padded_tokens
+        full = tl.load(OutCacheLoc + offs * stride_loc, mask=real, other=0)  # padded tokens: slot 0
+        if COPY:
+            tl.store(DstOutCacheLoc + offs, full, mask=padded)
+            if HAS_POS:
+                pos = tl.load(Positions + offs * stride_pos, mask=real, other=0)
+                tl.store(DstPositions + offs, pos, mask=padded)
         if HAS_SWA:
-            offs = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-            live = offs < num_tokens
-            full = tl.load(OutCacheLoc + offs, mask=live, other=0)
             in_map = (full >= 0) & (full < mapping_len)  # -1 and garbage: no slot, never a wrap
-            swa = tl.load(Mapping + full, mask=live & in_map, other=-1)
-            swa = tl.where(live, swa, 0)
+            swa = tl.load(Mapping + full, mask=padded & in_map, other=-1)
+            swa = tl.where(padded, swa, 0)
             tl.store(SwaLoc + offs, swa.to(tl.int32), mask=offs < loc_len)
     else:
-        # ---- role 2: one request, one chunk of its window table
+        # ---- role 2: one request (real or padded), one chunk of its window table
         r = pid - NB_LOC
         b = r // NCHUNK
         c = r % NCHUNK
-        seq = tl.load(SeqLens + b).to(tl.int32)
+        real_req = b < num_reqs
+        seq_in = tl.load(SeqLens + b * stride_seq, mask=real_req, other=fill_value)
+        seq = seq_in.to(tl.int32)
         if UNIFORM:
             q_len = q_len_uniform
         else:
@@ -127,6 +176,7 @@ def _step_metadata_kernel(
             ws = tl.maximum(seq - q_len - window + 1, 0)
         else:
             ws = seq * 0
+        row_in = tl.load(ReqPoolIdx + b * stride_req, mask=real_req, other=0)  # padded requests: row 0
         if c == 0:
             if UNIFORM:
                 start = b * q_len_uniform
@@ -141,8 +191,11 @@ def _step_metadata_kernel(
             for i in range(0, q_len, BLOCK_T):
                 offs_q = i + tl.arange(0, BLOCK_T)
                 tl.store(TokenPos + start + offs_q, seq - q_len + offs_q, mask=offs_q < q_len)
+            if COPY:
+                tl.store(DstSeqLens + b, seq_in)
+                tl.store(DstReqPoolIdx + b, row_in)
         if HAS_TABLE:
-            row = tl.load(ReqPoolIdx + b).to(tl.int64)
+            row = row_in.to(tl.int64)
             row = tl.where((row >= 0) & (row < r2t_rows), row, 0)  # outside the table: row 0
             cols = c * BLOCK_W + tl.arange(0, BLOCK_W)
             pos = ws + cols
@@ -156,12 +209,47 @@ def _step_metadata_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def _check_1d(name: str, t: torch.Tensor, min_len: int, dtypes, device: torch.device) -> None:
+def _check_1d(name: str, t: torch.Tensor, min_len: int, dtypes, device: torch.device, *, strided: bool = False) -> None:
     assert isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}"
     assert t.dim() == 1 and t.shape[0] >= min_len, f"{name} must be 1-D with >= {min_len} entries, got {tuple(t.shape)}"
     assert t.dtype in dtypes, f"{name} must be one of {dtypes}, got {t.dtype}"
-    assert t.stride(0) == 1 or t.shape[0] <= 1, f"{name} must be contiguous, got stride {t.stride()}"
+    assert strided or t.stride(0) == 1 or t.shape[0] <= 1, f"{name} must be contiguous, got stride {t.stride()}"
     assert t.device == device, f"{name} is on {t.device}, expected {device}"
+
+
+class PaddedCopy(NamedTuple):
+    """Static tensors a launch also fills with the step, padded (graph replay): requests
+    ``[bs_padded]`` (``req_pool_indices``, ``seq_lens``, int32/int64), tokens
+    ``[T_padded]`` (``out_cache_loc``, ``positions`` int64; ``positions`` None: not written)."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: Optional[torch.Tensor]
+
+
+def per_step_args(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+) -> Tuple[Any, ...]:
+    """The kernel's per-step arguments (``_PER_STEP``) for these step tensors: what
+    ``Relaunch.__call__`` takes to repeat a launch over another step's tensors of the same
+    dtypes (host values only: shapes and strides)."""
+    pos = positions if positions is not None else out_cache_loc
+    return (
+        req_pool_indices,
+        seq_lens,
+        out_cache_loc,
+        pos,
+        req_pool_indices.shape[0],
+        out_cache_loc.shape[0],
+        req_pool_indices.stride(0),
+        seq_lens.stride(0),
+        out_cache_loc.stride(0),
+        pos.stride(0),
+    )
 
 
 def step_metadata(
@@ -179,38 +267,66 @@ def step_metadata(
     swa_window_table: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     pdl: bool = False,
+    positions: Optional[torch.Tensor] = None,
+    padded: Optional[PaddedCopy] = None,
+    fill_value: int = 1,
 ) -> Relaunch:
     """Fill the step's metadata buffers in ONE launch (see the module docstring) and return
-    a ``Relaunch`` that repeats exactly this launch cheaply (graph replay: same buffers).
+    a ``Relaunch`` that repeats exactly this launch cheaply (graph replay: same buffers), or,
+    called with ``per_step_args(...)`` of another step (same dtypes, same ``positions``
+    presence, at most as many requests), the same launch over that step.
 
     ``bs = req_pool_indices.shape[0]`` and ``T = out_cache_loc.shape[0]`` are host ints taken
-    from shapes; no device value is read on the host. ``swa_out_cache_loc`` (with the
-    mapping) is optional for pools without SWA layers; ``swa_window_table`` (with the mapping
-    and ``req_to_token``) only when ``window`` is given. Rows of the table past ``bs`` and
-    entries of ``token_pos`` past ``T`` are left untouched.
+    from shapes; no device value is read on the host. The step tensors may be strided.
+    ``swa_out_cache_loc`` (with the mapping) is optional for pools without SWA layers;
+    ``swa_window_table`` (with the mapping and ``req_to_token``) only when ``window`` is given.
+
+    ``padded`` (uniform modes only): the launch also writes the step into those static
+    tensors, padded to their length (requests: row 0 and ``fill_value``; tokens: slot 0 and
+    position 0; ``positions`` copied only when both it and ``padded.positions`` are given),
+    and computes every output for the padded step (``bs_padded`` requests, ``T_padded``
+    tokens), exactly as if it had been called on the padded static tensors. Rows of the table
+    past the (padded) bs and entries of ``token_pos`` past the (padded) T are left untouched.
     """
     idx = (torch.int32, torch.int64)
     device = seq_lens.device
     bs = req_pool_indices.shape[0]
-    _check_1d("req_pool_indices", req_pool_indices, bs, idx, device)
-    _check_1d("seq_lens", seq_lens, bs, idx, device)
+    _check_1d("req_pool_indices", req_pool_indices, bs, idx, device, strided=True)
+    _check_1d("seq_lens", seq_lens, bs, idx, device, strided=True)
     assert seq_lens.shape[0] == bs, f"seq_lens has {seq_lens.shape[0]} entries, req_pool_indices {bs}"
-    _check_1d("out_cache_loc", out_cache_loc, 0, (torch.int64,), device)
+    _check_1d("out_cache_loc", out_cache_loc, 0, (torch.int64,), device, strided=True)
     T = out_cache_loc.shape[0]
+    if positions is not None:
+        _check_1d("positions", positions, T, (torch.int64,), device, strided=True)
+        assert positions.shape[0] == T, f"positions has {positions.shape[0]} entries, out_cache_loc {T}"
     uniform = not isinstance(extend_lens, torch.Tensor)
     if uniform:
         assert isinstance(extend_lens, int) and extend_lens >= 1, (
             f"extend_lens must be an int >= 1, got {extend_lens!r}"
         )
         assert T == bs * extend_lens, f"{bs} requests x q_len {extend_lens} != {T} tokens"
-        ext_arg, q_uniform = seq_lens, int(extend_lens)  # ExtLens unused when UNIFORM
+        ext_arg, q_uniform = cu_q_lens, int(extend_lens)  # ExtLens unused when UNIFORM
     else:
+        assert padded is None, "padded needs a uniform q_len (an int extend_lens)"
         _check_1d("extend_lens", extend_lens, bs, idx, device)
         assert extend_lens.shape[0] == bs, f"extend_lens has {extend_lens.shape[0]} entries, expected {bs}"
         ext_arg, q_uniform = extend_lens, 1
-    _check_1d("cu_q_lens", cu_q_lens, bs + 1, (torch.int32,), device)
-    _check_1d("window_start", window_start, bs, (torch.int32,), device)
-    _check_1d("token_pos", token_pos, T, (torch.int32,), device)
+    grid_bs, grid_T = bs, T
+    copy_pos = False
+    if padded is not None:
+        grid_bs, grid_T = padded.req_pool_indices.shape[0], padded.out_cache_loc.shape[0]
+        assert bs <= grid_bs, f"the step has {bs} requests, the padded batch {grid_bs}"
+        assert grid_T == grid_bs * q_uniform, f"padded: {grid_bs} requests x q_len {q_uniform} != {grid_T} tokens"
+        _check_1d("padded.req_pool_indices", padded.req_pool_indices, grid_bs, idx, device)
+        _check_1d("padded.seq_lens", padded.seq_lens, grid_bs, idx, device)
+        _check_1d("padded.out_cache_loc", padded.out_cache_loc, grid_T, (torch.int64,), device)
+        copy_pos = positions is not None and padded.positions is not None
+        if copy_pos:
+            _check_1d("padded.positions", padded.positions, grid_T, (torch.int64,), device)
+        assert isinstance(fill_value, int) and fill_value >= 1, f"fill_value must be an int >= 1, got {fill_value!r}"
+    _check_1d("cu_q_lens", cu_q_lens, grid_bs + 1, (torch.int32,), device)
+    _check_1d("window_start", window_start, grid_bs, (torch.int32,), device)
+    _check_1d("token_pos", token_pos, grid_T, (torch.int32,), device)
     if window is not None:
         assert isinstance(window, int) and window >= 1, f"window must be None or an int >= 1, got {window!r}"
 
@@ -220,7 +336,7 @@ def step_metadata(
         assert full_to_swa_index_mapping is not None, "the SWA outputs need full_to_swa_index_mapping"
         _check_1d("full_to_swa_index_mapping", full_to_swa_index_mapping, 1, (torch.int32,), device)
     if has_swa:
-        _check_1d("swa_out_cache_loc", swa_out_cache_loc, T, (torch.int32,), device)
+        _check_1d("swa_out_cache_loc", swa_out_cache_loc, grid_T, (torch.int32,), device)
     if has_table:
         assert window is not None, "swa_window_table needs a window"
         assert req_to_token is not None, "swa_window_table needs req_to_token"
@@ -230,24 +346,26 @@ def step_metadata(
         )
         assert req_to_token.device == device, f"req_to_token is on {req_to_token.device}, expected {device}"
         t = swa_window_table
-        assert t.dim() == 2 and t.shape[0] >= bs and t.dtype == torch.int32 and (t.stride(1) == 1 or t.shape[1] <= 1), (
-            f"swa_window_table must be [>= {bs}, width] int32 with contiguous rows, got {tuple(t.shape)} {t.dtype}"
-        )
+        assert (
+            t.dim() == 2 and t.shape[0] >= grid_bs and t.dtype == torch.int32 and (t.stride(1) == 1 or t.shape[1] <= 1)
+        ), f"swa_window_table must be [>= {grid_bs}, width] int32 with contiguous rows, got {tuple(t.shape)} {t.dtype}"
         assert t.device == device, f"swa_window_table is on {t.device}, expected {device}"
 
     mapping = full_to_swa_index_mapping if full_to_swa_index_mapping is not None else cu_q_lens
     loc_len = swa_out_cache_loc.shape[0] if has_swa else 0
-    nb_loc = max(1, triton.cdiv(loc_len, _BLOCK_T))
+    nb_loc = max(1, triton.cdiv(max(loc_len, grid_T if padded is not None else 0), _BLOCK_T))
     width = swa_window_table.shape[1] if has_table else 0
     nchunk = max(1, triton.cdiv(width, _BLOCK_W)) if has_table else 1
     r2t = req_to_token if has_table else cu_q_lens
-    grid = (nb_loc + bs * nchunk,)
+    grid = (nb_loc + grid_bs * nchunk,)
     extra = {"launch_pdl": True} if pdl else {}
     args = (
-        req_pool_indices,
-        seq_lens,
+        *per_step_args(req_pool_indices, seq_lens, out_cache_loc, positions),
         ext_arg,
-        out_cache_loc,
+        padded.req_pool_indices if padded is not None else req_pool_indices,
+        padded.seq_lens if padded is not None else seq_lens,
+        padded.out_cache_loc if padded is not None else out_cache_loc,
+        padded.positions if copy_pos else out_cache_loc,
         mapping,
         r2t,
         swa_out_cache_loc if has_swa else cu_q_lens,
@@ -255,7 +373,7 @@ def step_metadata(
         window_start,
         token_pos,
         swa_window_table if has_table else cu_q_lens,
-        T,
+        grid_T,
         loc_len,
         mapping.shape[0],
         r2t.stride(0) if has_table else 0,
@@ -265,6 +383,7 @@ def step_metadata(
         width,
         q_uniform,
         window if window is not None else 0,
+        fill_value,
         nb_loc,
         nchunk,
     )
@@ -273,11 +392,13 @@ def step_metadata(
         HAS_SWA=has_swa,
         HAS_WINDOW=window is not None,
         HAS_TABLE=has_table,
+        COPY=padded is not None,
+        HAS_POS=copy_pos,
         BLOCK_T=_BLOCK_T,
         BLOCK_W=_BLOCK_W,
-        BLOCK_BS=min(triton.next_power_of_2(max(bs, 1)), _MAX_BLOCK_BS),
+        BLOCK_BS=min(triton.next_power_of_2(max(grid_bs, 1)), _MAX_BLOCK_BS),
         PDL=pdl,
         num_warps=4,
         **extra,
     )
-    return Relaunch(_step_metadata_kernel, grid, args, meta)
+    return Relaunch(_step_metadata_kernel, grid, args, meta, per_step=len(_PER_STEP))

@@ -1,0 +1,478 @@
+"""The model-level check: tiny transformers models run step by step through a backend, every
+new token's logits compared with transformers' eager attention over the full sequence.
+
+``check_matches_transformers`` (``checks/``) runs one ``ModelCase`` per test: a tiny random
+model of one architecture (``attnplug.integrations.transformers.tiny_model``) in one dtype and
+page size, driven through ``ModelRunner`` on the backend under test by ``ModelDriver`` (a small
+engine: slots, request rows, batches, eviction, rollback), in the scenario ``SCENARIO``:
+
+1. chunked prefill: EXTEND steps of 3 prompts of different lengths in chunks, a request
+   joining with a one-token chunk of its own next token;
+2. DECODE steps;
+3. TARGET_VERIFY of 3 drafts per request, the rejected ones rolled back with the allocator's
+   ``rollback`` (their logits are compared too: they were computed in their own context);
+4. DRAFT_EXTEND of 2 tokens per request;
+5. a request finishing (slots and row freed) and a new one prefilled in a mixed EXTEND step
+   with one-token chunks of the others, then DECODE steps.
+
+Every model has windows smaller than its sequences (``sliding_window=5``), out-of-window SWA
+slots are evicted between steps and the SWA pool is smaller than the tokens the run allocates,
+so SWA slots are reused (the driver checks both happened).
+
+Expected logits: the same weights with ``attn_implementation="eager"`` over each request's
+whole token sequence, on the host in float32 (the positions are the token indices, which is
+what the driver gives the runner). Comparison per new token (``compare``):
+
+* float32: ``||a - e|| / ||e|| <= FP32_TOL`` (relative L2 error of the logit vector);
+* float16 / bfloat16: cosine similarity ``>= HALF_MIN_COSINE``, and the relative error
+  against the float32 logits at most ``HALF_REL_FACTOR`` times transformers' own error in that
+  dtype (its eager attention, same weights cast, same tokens, on the backend's device; at
+  that token or its median over the run, whichever is larger) plus ``HALF_REL_SLACK``: the
+  backend may be about as inexact as transformers itself in half precision, not more.
+
+Device-neutral: the backend's device comes from the caller; the host computes the expected
+values.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+
+from attnplug import ForwardBatch, ForwardMode, decide_needs_cpu_seq_lens
+
+from .rules import MODEL
+
+__all__ = [
+    "MODEL_ARCHS",
+    "ModelCase",
+    "MODEL_CASES",
+    "FP32_TOL",
+    "HALF_MIN_COSINE",
+    "HALF_REL_FACTOR",
+    "HALF_REL_SLACK",
+    "WINDOW",
+    "ModelDriver",
+    "run_model_case",
+    "transformers_missing",
+]
+
+#: the architectures the check runs (``attnplug.integrations.transformers.ARCHITECTURES``)
+MODEL_ARCHS: Tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "cohere2",
+    "gpt_oss",
+)
+
+#: float32: bound on the per-token relative L2 error of the logits. Measured on these models:
+#: the reference backend's logits differ from transformers eager by at most 1.1e-6 (float32
+#: rounding in a different summation order; transformers' own float32 logits differ from
+#: float64 by about as much), while an attention bug moves them by 6e-2 or more (a scale
+#: from head_dim instead of query_pre_attn_scalar: 6.5e-2; a window one key short, a wrong
+#: window table start, a wrong GQA head, a dropped soft-cap or sink: 0.4 to 1.5). 2e-5 leaves
+#: 20x the measured noise and is 3,000x below the smallest bug.
+FP32_TOL = 2e-5
+#: half precision: minimum cosine similarity of a token's logits with the float32 logits
+#: (measured: 0.9997 or more for transformers itself and for the reference backend)
+HALF_MIN_COSINE = 0.999
+#: half precision: relative error at most FACTOR x transformers' own (same dtype, same
+#: tokens; the larger of its error at that token and its median over the run) + SLACK.
+#: Measured for the reference backend: at most 1.6x; attention bugs: 10x and more.
+HALF_REL_FACTOR = 3.0
+HALF_REL_SLACK = 2e-3
+#: the sliding window of every model with SWA layers (smaller than every sequence)
+WINDOW = 5
+
+_HEAD_DIM = 64  # declared by every backend of the suite's configurations
+#: config overrides of every tiny model: 4 q heads over 2 KV heads (GQA group 2, so
+#: ``h % Hkv`` and ``h // G`` differ), head_dim 64
+_COMMON = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=_HEAD_DIM)
+#: per architecture: windows smaller than the sequences where layers slide; Gemma's
+#: query_pre_attn_scalar differs from head_dim (scaling 48 ** -0.5, not 64 ** -0.5)
+_ARCH_OVERRIDES: Dict[str, dict] = {
+    "llama": {},
+    "gemma2": dict(sliding_window=WINDOW, query_pre_attn_scalar=48),
+    "gemma3_text": dict(sliding_window=WINDOW, query_pre_attn_scalar=48),
+    # every expert active: the router's discrete top-k choice cannot flip between two equally
+    # valid half-precision runs (a flip changes a token's logits far beyond rounding)
+    "gpt_oss": dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=4),
+}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One test: an architecture in a dtype and page size."""
+
+    arch: str
+    dtype: torch.dtype = torch.float32
+    page_size: int = 1
+
+    @property
+    def id(self) -> str:
+        name = str(self.dtype).replace("torch.", "")
+        return f"{self.arch}-{name}" + (f"-page{self.page_size}" if self.page_size != 1 else "")
+
+
+def _cases() -> List[ModelCase]:
+    # Gemma3 first: the first round of the suite (and --attnplug-quick) runs the first case.
+    order = ("gemma3_text",) + tuple(a for a in MODEL_ARCHS if a != "gemma3_text")
+    cases = [ModelCase(a) for a in order]
+    cases += [ModelCase(a, torch.bfloat16) for a in order]
+    cases += [ModelCase("gemma3_text", torch.float16), ModelCase("gemma3_text", page_size=4)]
+    cases += [ModelCase("gpt_oss", torch.bfloat16, page_size=4)]
+    return cases
+
+
+MODEL_CASES: Tuple[ModelCase, ...] = tuple(_cases())
+
+
+def transformers_missing() -> Optional[str]:
+    """Why the check cannot run here (transformers or the integration not importable), or None."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return f"transformers is not installed (pip install 'attnplug[hf]'): {exc}"
+    try:
+        from attnplug.integrations import transformers as _integration  # noqa: F401
+    except ImportError as exc:
+        return f"attnplug.integrations.transformers cannot be imported: {exc}"
+    return None
+
+
+# ---------------------------------------------------------------------------- the engine
+@dataclass
+class _Req:
+    rid: int
+    row: int
+    prompt: List[int]
+    tokens: List[int] = field(default_factory=list)  # every token in the cache, in position order
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class _Record:
+    """The logits of ``n`` new tokens of request ``rid`` computed in one step, and the
+    request's tokens at the end of that step (their context)."""
+
+    rid: int
+    label: str
+    context: Tuple[int, ...]
+    n: int
+    logits: torch.Tensor  # [n, vocab] float32 on the host
+
+
+class ModelDriver:
+    """A small engine over a ``ModelRunner``: request rows, slots (``alloc_extend``), batches
+    in every mode, eviction after each step, rollback of rejected drafts, finishing requests.
+    Records every new token's logits (``records``) for ``compare``."""
+
+    def __init__(self, runner, vocab_size: int, seed: int) -> None:
+        self.runner = runner
+        self.vocab = vocab_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.reqs: Dict[int, _Req] = {}
+        self.records: List[_Record] = []
+        self.finished: Dict[int, Tuple[int, ...]] = {}
+        self.steps = 0
+        self.allocated = 0  # tokens given slots over the run
+        self.evicted = 0  # SWA slots freed by eviction over the run
+        self._next_rid = 0
+        self.window = runner.spec.sliding_window if runner.spec.swa_layer_ids else None
+        self.device = runner.pool.device
+
+    # -- requests
+    def _tokens(self, n: int) -> List[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+    def add(self, prompt_len: int) -> int:
+        rid = self._next_rid
+        self._next_rid += 1
+        self.reqs[rid] = _Req(rid, self.runner.req_to_token_pool.alloc(), self._tokens(prompt_len))
+        return rid
+
+    def finish(self, rid: int) -> None:
+        req = self.reqs.pop(rid)
+        rows = self.runner.req_to_token_pool
+        if req.seq_len:
+            self.runner.allocator.free(rows.req_to_token[req.row, : req.seq_len].to(torch.int64))
+            rows.req_to_token[req.row, : req.seq_len] = 0
+        rows.free(req.row)
+        self.finished[rid] = tuple(req.tokens)
+
+    # -- steps
+    def step(self, mode: ForwardMode, new: Dict[int, int], *, keep: Optional[Dict[int, int]] = None, label: str = ""):
+        """One step: ``new[rid]`` tokens per request (the next prompt tokens, then random
+        continuations), run through the runner; logits recorded; then rejected drafts rolled
+        back (``keep[rid]``: tokens of the step that survive) and out-of-window SWA slots evicted."""
+        self.steps += 1
+        label = f"step {self.steps} ({mode.name}{', ' + label if label else ''})"
+        rows = self.runner.req_to_token_pool
+        reqs = [self.reqs[r] for r in new]
+        counts = [new[r.rid] for r in reqs]
+        ids, positions, last = [], [], []
+        for req, n in zip(reqs, counts):
+            start = req.seq_len
+            pending = req.prompt[start : start + n]
+            tokens = pending + self._tokens(n - len(pending))
+            ids.extend(tokens)
+            positions.extend(range(start, start + n))
+            last.append(int(rows.req_to_token[req.row, start - 1]) if start else -1)
+        prefix = [r.seq_len for r in reqs]
+        seq = [p + n for p, n in zip(prefix, counts)]
+        loc = self.runner.allocator.alloc_extend(prefix, seq, last)
+        self.allocated += len(ids)
+        offset = 0
+        for req, n in zip(reqs, counts):
+            rows.req_to_token[req.row, req.seq_len : req.seq_len + n] = loc[offset : offset + n].to(torch.int32)
+            offset += n
+        dev = self.device
+        uniform = mode is not ForwardMode.EXTEND
+        needs_cpu = decide_needs_cpu_seq_lens([self.runner.backend])
+        batch = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64).to(dev),
+            seq_lens=torch.tensor(seq, dtype=torch.int64).to(dev),
+            out_cache_loc=loc.to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            seq_lens_cpu=list(seq) if needs_cpu else None,
+            extend_seq_lens=None if uniform else torch.tensor(counts, dtype=torch.int64).to(dev),
+            extend_seq_lens_cpu=None if uniform else list(counts),
+            num_draft_tokens=counts[0] if mode.is_speculative else None,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        logits = self.runner.forward(batch, input_ids, batch.positions)
+        logits = logits.detach().to("cpu", torch.float32)
+        offset = 0
+        for req, n in zip(reqs, counts):
+            req.tokens.extend(ids[offset : offset + n])
+            self.records.append(_Record(req.rid, label, tuple(req.tokens), n, logits[offset : offset + n]))
+            offset += n
+        for req in reqs:
+            if keep is not None and req.rid in keep:
+                self._rollback(req, req.seq_len - new[req.rid] + keep[req.rid])
+            if self.window is not None:
+                self.evicted += self.runner.allocator.evict_out_of_window(rows, req.row, req.seq_len, self.window)
+
+    def _rollback(self, req: _Req, length: int) -> None:
+        """Drop the request's tokens past ``length`` (rejected drafts): the allocator's
+        ``rollback`` gives back their slots, the row forgets them."""
+        if length >= req.seq_len:
+            return
+        rows = self.runner.req_to_token_pool
+        self.runner.allocator.rollback(rows.req_to_token[req.row, length : req.seq_len].to(torch.int64))
+        rows.req_to_token[req.row, length : req.seq_len] = 0
+        del req.tokens[length:]
+
+
+#: ``(mode, {request index: new tokens}, keep, label)``; requests are numbered in the order
+#: ``SCENARIO_PROMPTS`` adds them (``"add"`` entries add one with that prompt length,
+#: ``"finish"`` frees one). Windows (5) are smaller than every sequence.
+SCENARIO_PROMPTS = (19, 6, 13)
+SCENARIO = (
+    ("EXTEND", {0: 8, 1: 6, 2: 5}, None, "chunked prefill, first chunks"),
+    ("EXTEND", {0: 7, 1: 1, 2: 8}, None, "second chunks and a one-token chunk"),
+    ("EXTEND", {0: 4, 1: 1, 2: 1}, None, "last chunk"),
+    ("DECODE", {0: 1, 1: 1, 2: 1}, None, ""),
+    ("DECODE", {0: 1, 1: 1, 2: 1}, None, ""),
+    ("TARGET_VERIFY", {0: 3, 1: 3, 2: 3}, {0: 1, 1: 3, 2: 2}, "rejected drafts rolled back after"),
+    ("DECODE", {0: 1, 1: 1, 2: 1}, None, "after a rollback"),
+    ("DRAFT_EXTEND", {0: 2, 1: 2, 2: 2}, None, ""),
+    ("finish", 1, None, ""),
+    ("add", 11, None, ""),
+    ("EXTEND", {0: 1, 2: 1, 3: 11}, None, "a new request prefilled beside one-token chunks"),
+    ("DECODE", {0: 1, 2: 1, 3: 1}, None, "after a request finished"),
+    ("TARGET_VERIFY", {0: 3, 2: 3, 3: 3}, {0: 2, 2: 1, 3: 3}, "rejected drafts rolled back after"),
+    ("DECODE", {0: 1, 2: 1, 3: 1}, None, ""),
+)
+
+
+def run_scenario(driver: ModelDriver) -> None:
+    ids = [driver.add(n) for n in SCENARIO_PROMPTS]
+    for mode, arg, keep, label in SCENARIO:
+        if mode == "finish":
+            driver.finish(ids[arg])
+            continue
+        if mode == "add":
+            ids.append(driver.add(arg))
+            continue
+        new = {ids[i]: n for i, n in arg.items()}
+        kept = None if keep is None else {ids[i]: k for i, k in keep.items()}
+        driver.step(ForwardMode[mode], new, keep=kept, label=label)
+
+
+def scenario_pool_tokens(page_size: int) -> Tuple[int, int]:
+    """``(full, swa)`` pool sizes: the full pool holds every token of the run; the SWA pool
+    holds the live windows and the largest step (rounded to pages) but fewer slots than the
+    run allocates, so SWA slots are reused."""
+    ps = page_size
+    longest_step = 24  # tokens of the largest step of SCENARIO
+    live = 4 * (WINDOW + 2 * ps)  # per request: the window plus two partial pages
+    swa = -(-(live + longest_step + 4 * ps) // ps) * ps
+    full = -(-(256 + 8 * ps) // ps) * ps
+    return full, swa
+
+
+# ---------------------------------------------------------------------------- the comparison
+def _expected(model, records: Sequence[_Record], finals: Dict[int, Tuple[int, ...]], device) -> List[torch.Tensor]:
+    """Logits of ``model`` (eager attention) for every record, over the full sequence: one
+    forward per request's final sequence, plus one per context that is not a prefix of it
+    (drafts later rolled back). ``[n, vocab]`` float32 on the host per record."""
+    cache: Dict[Tuple[int, ...], torch.Tensor] = {}
+
+    def logits_of(tokens: Tuple[int, ...]) -> torch.Tensor:
+        if tokens not in cache:
+            ids = torch.tensor([list(tokens)], dtype=torch.int64, device=device)
+            with torch.no_grad():
+                cache[tokens] = model(input_ids=ids, use_cache=False).logits[0].to("cpu", torch.float32)
+        return cache[tokens]
+
+    out = []
+    for rec in records:
+        final = finals[rec.rid]
+        source = final if final[: len(rec.context)] == rec.context else rec.context
+        end = len(rec.context)
+        out.append(logits_of(source)[end - rec.n : end])
+    return out
+
+
+def _rel(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    a, e = a.double(), e.double()
+    return (a - e).norm(dim=-1) / e.norm(dim=-1).clamp_min(1e-30)
+
+
+def compare(case: ModelCase, records, expected, own=None) -> None:
+    """Fail naming the first token out of bounds (see the module docstring). ``own``: per
+    record, transformers' own logits in the case's half dtype (None for float32)."""
+    what = f"{case.id}"
+    typical = None
+    if own is not None:  # transformers' median error over the run: a token where it is lucky sets no bar
+        typical = torch.cat([_rel(o, e) for o, e in zip(own, expected)]).median()
+    for i, (rec, exp) in enumerate(zip(records, expected)):
+        got = rec.logits
+        pos0 = len(rec.context) - rec.n
+        if got.shape != exp.shape:
+            pytest.fail(
+                f"{MODEL}: {what}: {rec.label}: logits of shape {tuple(got.shape)}, expected {tuple(exp.shape)}"
+            )
+        if not torch.isfinite(got).all():
+            j = int((~torch.isfinite(got)).any(-1).to(torch.int8).argmax())
+            pytest.fail(f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: non-finite logits")
+        rel = _rel(got, exp)
+        if case.dtype == torch.float32:
+            j = int(rel.argmax())
+            if float(rel[j]) > FP32_TOL:
+                pytest.fail(
+                    f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: logits differ from "
+                    f"transformers eager by a relative error of {float(rel[j]):.3g} (bound {FP32_TOL:g} for float32; "
+                    f"{int((rel > FP32_TOL).sum())} of {rec.n} new tokens of this request out of bounds)"
+                )
+            continue
+        cos = torch.nn.functional.cosine_similarity(got.double(), exp.double(), dim=-1)
+        j = int(cos.argmin())
+        if float(cos[j]) < HALF_MIN_COSINE:
+            pytest.fail(
+                f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: cosine similarity "
+                f"{float(cos[j]):.5f} with transformers eager float32 logits (minimum {HALF_MIN_COSINE})"
+            )
+        theirs = _rel(own[i], exp)
+        bound = HALF_REL_FACTOR * torch.maximum(theirs, typical) + HALF_REL_SLACK
+        j = int((rel - bound).argmax())
+        if float(rel[j]) > float(bound[j]):
+            pytest.fail(
+                f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: relative error "
+                f"{float(rel[j]):.3g} against transformers eager float32 logits; transformers' own "
+                f"{str(case.dtype).replace('torch.', '')} error there is {float(theirs[j]):.3g}, its median "
+                f"{float(typical):.3g} (bound {HALF_REL_FACTOR:g} x the larger + {HALF_REL_SLACK:g})"
+            )
+
+
+# ---------------------------------------------------------------------------- one case
+def missing_capability(caps, spec, case: ModelCase) -> Optional[str]:
+    """Why the backend's declared capabilities cannot run ``case`` (one line), or None."""
+    from attnplug.integrations.transformers.support import unsupported_reasons
+
+    reasons = unsupported_reasons(caps, spec, dtype=case.dtype, page_size=case.page_size)
+    return f"{case.arch} needs " + "; ".join(reasons) if reasons else None
+
+
+def build_models(case: ModelCase, seed: int = 0):
+    """``(config, fp32 weights model)``: the tiny model of ``case.arch`` with the check's
+    overrides, float32 on the host."""
+    from attnplug.integrations.transformers import tiny_model
+
+    overrides = {**_COMMON, **_ARCH_OVERRIDES.get(case.arch, dict(sliding_window=WINDOW))}
+    model = tiny_model(case.arch, seed=seed, dtype=torch.float32, **overrides)
+    return model.config, model
+
+
+def _clone(model, dtype: torch.dtype, device, attn_implementation: str):
+    """A copy of ``model``'s weights in ``dtype`` on ``device``, attention implemented by
+    ``attn_implementation``."""
+    twin = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+    twin.set_attn_implementation(attn_implementation)
+    return twin
+
+
+def run_model_case(case: ModelCase, backend_cls, device, caps, *, seed: int = 0) -> ModelDriver:
+    """Run ``case`` on ``backend_cls`` (see the module docstring); fails through pytest with a
+    message naming the rule, the step, the request and the position. Returns the driver."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a thread pool only adds overhead on the host
+    try:
+        return _run_model_case(case, backend_cls, device, caps, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_model_case(case: ModelCase, backend_cls, device, caps, seed: int) -> ModelDriver:
+    from attnplug.integrations.transformers import ModelRunner, model_spec
+
+    config, model = build_models(case, seed)
+    spec = model_spec(config)
+    why = missing_capability(caps, spec, case)
+    if why is not None:
+        pytest.skip(why)
+    if case.arch != "llama" and not spec.swa_layer_ids:
+        raise RuntimeError(f"the check's tiny {case.arch} model has no sliding-window layer: {spec}")
+    device = torch.device(device)
+    full, swa = scenario_pool_tokens(case.page_size)
+    subject = _clone(model, case.dtype, device, "eager")
+    runner = ModelRunner(
+        subject,
+        backend_cls,
+        max_batch_size=4,
+        max_context_len=64,
+        page_size=case.page_size,
+        swa_pool_tokens=swa if spec.swa_layer_ids else None,
+        full_pool_tokens=full,
+    )
+    driver = ModelDriver(runner, config.vocab_size, seed=seed + 1)
+    run_scenario(driver)
+    runner.backend.synchronize(device)
+    finals = {**driver.finished, **{rid: tuple(r.tokens) for rid, r in driver.reqs.items()}}
+    if driver.window is not None and (driver.evicted == 0 or driver.allocated <= swa):
+        raise RuntimeError(
+            f"the scenario evicted {driver.evicted} SWA slots and allocated {driver.allocated} tokens over an SWA "
+            f"pool of {swa}: it must evict and reuse SWA slots"
+        )
+    reference = _clone(model, torch.float32, "cpu", "eager")
+    expected = _expected(reference, driver.records, finals, "cpu")
+    own = None
+    if case.dtype != torch.float32:
+        half = _clone(model, case.dtype, device, "eager")
+        own = _expected(half, driver.records, finals, device)
+    compare(case, driver.records, expected, own)
+    return driver

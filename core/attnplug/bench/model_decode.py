@@ -1,0 +1,305 @@
+"""``model_decode``: decode tokens/s of a 1B-class Gemma3 text model through ``Engine`` against
+transformers' own fastest ``generate`` on the same model, in the same run.
+
+The model (``GEMMA3_1B``, random weights, seed 0, bfloat16; the shape of gemma-3-1b):
+vocab 262,144, hidden 1,152, MLP 6,912, 26 layers, 4 query heads over 1 KV head of
+head_dim 256, ``query_pre_attn_scalar`` 256, sliding window 512 on 5 of every 6 layers
+(``layer_types``: 5 sliding, 1 full), RoPE theta 10,000 (sliding) / 1,000,000 (full), tied
+embeddings, no soft-capping. ``--quick`` uses a tiny config of the same layout
+(``QUICK_CONFIG``), so the benchmark runs on the host in seconds.
+
+Method, per batch size (1 and 32; ``--quick``: 1 and 4):
+
+* the same prompts for both paths: ``bs`` prompts of ``PROMPT_LEN`` random token ids (seed 0);
+  both generate greedily exactly ``n`` new tokens (no end-of-sequence token);
+* attnplug: ``attnplug.integrations.transformers.Engine(model, backend_cls, max_batch_size=bs,
+  max_context_len=...)`` with its default graph use (graphs where the backend has them),
+  ``Engine.generate(prompts, n)``;
+* transformers: the same weights with ``attn_implementation="sdpa"``,
+  ``model.generate(input_ids, max_new_tokens=n, do_sample=False, cache_implementation="static")``:
+  a static KV cache, whose decode step transformers compiles with ``torch.compile`` on an
+  accelerator. When compiling fails, the run falls back to the same call with
+  ``disable_compile=True``; the row's ``path`` records which one ran (and why);
+* each path is warmed up (a full ``generate`` of ``NEW_TOKENS`` tokens: graph capture,
+  compilation, the static cache allocated), then ``t(n)`` is the median of ``REPEATS``
+  wall-clock times of ``generate`` with ``n`` new tokens, the device synchronised through the
+  backend class around each call. Decode tokens/s = ``bs * (N - 1) / (t(N) - t(1))`` with
+  ``N = NEW_TOKENS``: the difference removes prefill and fixed per-call costs, leaving
+  ``N - 1`` decode steps of each request;
+* rows: tokens/s of each path (``variant`` attnplug / transformers), the ratio attnplug /
+  transformers (target: > 1, faster than transformers), ``t(1)`` (prefill + first token) and
+  the share of generated tokens both paths agree on (greedy decoding of random weights in
+  bfloat16: an information, not a check; the logits are checked by the conformance suite's
+  ``check_matches_transformers``).
+
+Skipped (a row with the reason, no error) when transformers or the integration cannot be
+imported, and for the 1B config on the host (``--quick`` runs the tiny one there).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .context import Ctx
+from .rows import row
+from .suite import Benchmark
+
+__all__ = ["BENCHMARK", "GEMMA3_1B", "QUICK_CONFIG", "PROMPT_LEN", "NEW_TOKENS", "BATCH_SIZES", "run"]
+
+NAME = "model_decode"
+#: the entry a suite lists (only run when named: ``attnplug bench --only model_decode``)
+BENCHMARK = Benchmark(
+    NAME,
+    f"{__name__}:run",
+    "decode tokens/s of a 1B-class Gemma3 text model: Engine vs transformers' static-cache generate",
+    reserve_s=420.0,
+    default=False,
+)
+
+#: the 1B-class Gemma3 text config (transformers ``Gemma3TextConfig`` keyword arguments; the
+#: rest are its defaults: RoPE theta 1e4 sliding / 1e6 full, 5 sliding : 1 full layers)
+GEMMA3_1B = dict(
+    vocab_size=262144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    sliding_window=512,
+    query_pre_attn_scalar=256,
+    max_position_embeddings=32768,
+)
+#: ``--quick``: the same layout, tiny
+QUICK_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=64,
+    sliding_window=16,
+    query_pre_attn_scalar=64,
+    max_position_embeddings=512,
+)
+PROMPT_LEN = 128
+NEW_TOKENS = 128
+BATCH_SIZES = (1, 32)
+REPEATS = 3
+_QUICK = dict(prompt_len=24, new_tokens=8, batch_sizes=(1, 4), repeats=1)
+
+
+def _missing() -> Optional[str]:
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return f"transformers is not installed (pip install 'attnplug[hf]'): {exc}"
+    try:
+        from attnplug.integrations.transformers import Engine  # noqa: F401
+    except ImportError as exc:
+        return f"attnplug.integrations.transformers cannot be imported: {exc}"
+    return None
+
+
+def _skip(ctx: Ctx, why: str) -> List[dict]:
+    ctx.rows.append(row(NAME, "(all)", "decode tokens/s", None, "tok/s", notes=f"skipped: {why}", key=True))
+    ctx.log(f"{NAME}: skipped: {why}")
+    return ctx.rows
+
+
+def _build(ctx: Ctx, config_kwargs: dict):
+    """The random-weight model in bfloat16 (float32 on the host) on ``ctx.device``, sdpa attention."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    dtype = torch.float32 if ctx.device.type == "cpu" else torch.bfloat16
+    config = Gemma3TextConfig(**config_kwargs)
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None  # exactly n new tokens, as the engine
+    model.generation_config.pad_token_id = 0
+    return model, dtype
+
+
+def _timed(ctx: Ctx, fn: Callable[[], object], repeats: int) -> float:
+    """Median wall-clock seconds of ``fn()``, the device synchronised around each call."""
+    sync = ctx.backend_cls.synchronize if ctx.backend_cls is not None else (lambda device: None)
+    times = []
+    for _ in range(repeats):
+        sync(ctx.device)
+        start = time.perf_counter()
+        fn()
+        sync(ctx.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class _Transformers:
+    """transformers' own generate with a static cache (compiled where transformers compiles)."""
+
+    def __init__(self, model, prompts: torch.Tensor) -> None:
+        self.model = model
+        self.prompts = prompts
+        self.disable_compile = False
+        self.path = "static cache + sdpa"
+        self.note = ""
+
+    def generate(self, n: int) -> List[List[int]]:
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=self.prompts,
+                attention_mask=torch.ones_like(self.prompts),
+                max_new_tokens=n,
+                do_sample=False,
+                cache_implementation="static",
+                disable_compile=self.disable_compile,
+            )
+        new = out[:, self.prompts.shape[1] :]
+        if new.shape[1] != n:
+            raise RuntimeError(f"transformers generated {new.shape[1]} tokens, {n} asked")
+        return new.tolist()
+
+    def warm_up(self, n: int) -> List[List[int]]:
+        try:
+            tokens = self.generate(n)
+        except Exception as exc:  # compilation failed: the same call uncompiled
+            self.disable_compile = True
+            self.note = f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+            tokens = self.generate(n)
+        compiled = getattr(self.model, "_compiled_call", None) is not None and not self.disable_compile
+        self.path = "static cache + sdpa + torch.compile" if compiled else "static cache + sdpa (not compiled)"
+        if not compiled and not self.note:
+            self.note = "transformers did not compile the decode step on this device"
+        return tokens
+
+
+def _agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+    same = total = 0
+    for x, y in zip(a, b):
+        total += len(x)
+        same += sum(int(p == q) for p, q in zip(x, y))
+    return same / max(total, 1)
+
+
+def _ours(ctx: Ctx, model, prompts: List[List[int]], prompt_len: int, n_new: int):
+    """The attnplug Engine on ``prompts``: ``(warm-up tokens, t(1), t(n), last run figures)``."""
+    from attnplug.integrations.transformers import Engine
+
+    engine = Engine(
+        model,
+        ctx.backend_cls,
+        max_batch_size=len(prompts),
+        max_context_len=-(-(prompt_len + n_new + 16) // 64) * 64,
+        progress=False,
+    )
+    tokens = engine.generate(prompts, n_new)
+    repeats = _QUICK["repeats"] if ctx.quick else REPEATS
+    t1 = _timed(ctx, lambda: engine.generate(prompts, 1), repeats)
+    tn = _timed(ctx, lambda: engine.generate(prompts, n_new), repeats)
+    return tokens, t1, tn, dict(engine.last_run)
+
+
+def _theirs(ctx: Ctx, model, prompts: torch.Tensor, n_new: int):
+    """transformers' generate on ``prompts``: ``(warm-up tokens, t(1), t(n), _Transformers)``."""
+    hf = _Transformers(model, prompts.to(ctx.device))
+    tokens = hf.warm_up(n_new)
+    repeats = _QUICK["repeats"] if ctx.quick else REPEATS
+    t1 = _timed(ctx, lambda: hf.generate(1), repeats)
+    tn = _timed(ctx, lambda: hf.generate(n_new), repeats)
+    return tokens, t1, tn, hf
+
+
+def run(ctx: Ctx) -> List[dict]:
+    """The benchmark of the module docstring for ``ctx.backend_cls`` on ``ctx.device``."""
+    why = _missing()
+    if why is not None:
+        return _skip(ctx, why)
+    if ctx.device.type == "cpu" and not ctx.quick:
+        return _skip(ctx, "the 1B-class config needs an accelerator; --quick runs a tiny config on the host")
+    prompt_len = _QUICK["prompt_len"] if ctx.quick else PROMPT_LEN
+    n_new = _QUICK["new_tokens"] if ctx.quick else NEW_TOKENS
+    sizes = _QUICK["batch_sizes"] if ctx.quick else BATCH_SIZES
+    config_kwargs = QUICK_CONFIG if ctx.quick else GEMMA3_1B
+    ctx.log(f"{NAME}: building the {'tiny' if ctx.quick else '1B-class'} Gemma3 text model on {ctx.device}")
+    hf_model, dtype = _build(ctx, config_kwargs)
+    ours_model = copy.deepcopy(hf_model)
+    gen = torch.Generator().manual_seed(0)
+    config_name = "tiny Gemma3 text" if ctx.quick else "Gemma3 text 1B-class"
+    backend_name = getattr(ctx.backend_cls, "name", "?")
+    for bs in sizes:
+        case = f"{config_name}, bs={bs}, prompt {prompt_len}, {n_new} new tokens"
+        if ctx.time_low(need_s=30.0):
+            ctx.rows.append(row(NAME, case, "decode tokens/s", None, "tok/s", notes="skipped: time budget", key=True))
+            continue
+        prompts = torch.randint(0, config_kwargs["vocab_size"], (bs, prompt_len), generator=gen)
+        ctx.log(f"{NAME}: bs={bs}: transformers (warm-up compiles where transformers compiles)")
+        hf_tokens, hf_t1, hf_tn, hf = _theirs(ctx, hf_model, prompts, n_new)
+        ctx.log(f"{NAME}: bs={bs}: attnplug Engine on {backend_name}")
+        our_tokens, our_t1, our_tn, last = _ours(ctx, ours_model, prompts.tolist(), prompt_len, n_new)
+        graph_steps, decode_steps = last.get("graph_steps", 0), last.get("steps", {}).get("DECODE", 0)
+        steps = n_new - 1
+        hf_tps = bs * steps / max(hf_tn - hf_t1, 1e-9)
+        our_tps = bs * steps / max(our_tn - our_t1, 1e-9)
+        ratio = our_tps / hf_tps
+        agree = _agreement(our_tokens, hf_tokens)
+        common = dict(bs=bs, series="decode", dtype=str(dtype).replace("torch.", ""), prompt_len=prompt_len)
+        ctx.rows.append(
+            row(
+                NAME,
+                case,
+                "decode tokens/s",
+                our_tps,
+                "tok/s",
+                detail=f"Engine on {backend_name}, {graph_steps}/{decode_steps} decode steps replayed a graph",
+                key=True,
+                variant="attnplug",
+                graph_steps=graph_steps,
+                decode_steps=decode_steps,
+                t1_s=our_t1,
+                tn_s=our_tn,
+                **common,
+            )
+        )
+        ctx.rows.append(
+            row(
+                NAME,
+                case,
+                "decode tokens/s",
+                hf_tps,
+                "tok/s",
+                detail=hf.path,
+                notes=hf.note,
+                key=True,
+                variant="transformers",
+                path=hf.path,
+                t1_s=hf_t1,
+                tn_s=hf_tn,
+                **common,
+            )
+        )
+        ctx.rows.append(
+            row(
+                NAME,
+                case,
+                "attnplug / transformers",
+                ratio,
+                "x",
+                target="> 1 (faster than transformers)",
+                met=ratio > 1.0,
+                detail=f"tokens agreeing {agree:.0%}",
+                token_agreement=agree,
+                **common,
+            )
+        )
+        ctx.log(
+            f"{NAME}: bs={bs}: attnplug {our_tps:,.0f} tok/s, transformers {hf_tps:,.0f} tok/s ({hf.path}): "
+            f"{ratio:.2f}x; tokens agreeing {agree:.0%}"
+        )
+    return ctx.rows

@@ -1,0 +1,150 @@
+"""The ``"attnplug"`` attention implementation of ``transformers``.
+
+``register()`` adds it to ``transformers.AttentionInterface`` (idempotent), so
+``from_pretrained(..., attn_implementation="attnplug")`` (or ``from_config``, or
+``model.set_attn_implementation("attnplug")``) routes every attention layer here. The layers
+do not own a KV cache any more: each call hands the layer's new q/k/v to the attnplug backend
+of the step in progress, which stores k/v in the paged pool and attends over it. A step is in
+progress only inside ``ModelRunner.forward`` (or a graph step of its ``GraphRunner``), which
+binds the step (``bind_step``); calling the model outside one raises ``NoStepError``.
+
+No attention mask is built (``transformers`` builds none for an implementation without a mask
+function): which keys each token sees follows from the step's ``ForwardBatch`` and the
+backend's sliding window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from ...backend import AttentionBackend
+from ...batch import ForwardBatch
+from .errors import require_transformers
+from .spec import ModelSpec
+
+__all__ = ["IMPLEMENTATION", "NoStepError", "BoundStep", "register", "bind_step", "attnplug_attention_forward"]
+
+#: the name ``attn_implementation`` takes
+IMPLEMENTATION = "attnplug"
+
+
+class NoStepError(RuntimeError):
+    """The model's attention was called outside an attnplug step."""
+
+
+@dataclass
+class BoundStep:
+    """What the attention layers of one model need during a step: the backend, the step's
+    ``ForwardBatch``, the model's ``ModelSpec`` and its attention modules by layer id (each
+    call checks it comes from one of them)."""
+
+    backend: AttentionBackend
+    batch: ForwardBatch
+    spec: ModelSpec
+    modules: Sequence[torch.nn.Module]
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def bind_step(step: BoundStep) -> Iterator[BoundStep]:
+    """Make ``step`` the one the attention layers use until the block ends (per thread;
+    an enclosing binding comes back afterwards)."""
+    previous = getattr(_local, "step", None)
+    _local.step = step
+    try:
+        yield step
+    finally:
+        _local.step = previous
+
+
+def _current_step() -> BoundStep:
+    step = getattr(_local, "step", None)
+    if step is None:
+        raise NoStepError(
+            "this model's attention runs through attnplug (attn_implementation='attnplug') and was called "
+            "outside an attnplug step: run it through attnplug.integrations.transformers.ModelRunner.forward "
+            "or Engine.generate (its KV cache lives in attnplug's pools), or switch back with "
+            "model.set_attn_implementation('eager')"
+        )
+    return step
+
+
+def _mismatch(layer: int, what: str, got, expected) -> ValueError:
+    return ValueError(
+        f"layer {layer}: the model passed {what}={got!r} but its attnplug spec says {expected!r}; "
+        "the backend was built for the spec and would compute something else"
+    )
+
+
+def attnplug_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    **kwargs,
+):
+    """One attention layer through the bound step's backend.
+
+    ``query``: ``[1, num_heads, T, head_dim]``; ``key`` / ``value``: ``[1, num_kv_heads, T,
+    head_dim]`` (this step's new tokens only, RoPE applied). Returns ``([1, T, num_heads,
+    head_dim], None)``. The keyword arguments the layer passes (``scaling``,
+    ``sliding_window``, ``softcap``, ``s_aux`` = the sinks) must agree with the model's spec
+    (``ValueError`` otherwise); ``attention_mask`` must be None and ``dropout`` 0.
+    """
+    step = _current_step()
+    spec = step.spec
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int) or not 0 <= layer < len(step.modules) or step.modules[layer] is not module:
+        raise NoStepError(
+            f"an attention module (layer_idx={layer!r}) of another model was called during an attnplug step "
+            "of this one; each model runs through its own ModelRunner"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"layer {layer}: attnplug takes no attention_mask (the step's ForwardBatch says which keys each "
+            "token sees); call the model without one"
+        )
+    if dropout:
+        raise ValueError(f"layer {layer}: attention dropout {dropout} is not supported (put the model in eval mode)")
+    if scaling != spec.scaling:
+        raise _mismatch(layer, "scaling", scaling, spec.scaling)
+    expected_window = spec.sliding_window if layer in spec.swa_layer_ids else None
+    if sliding_window != expected_window:
+        raise _mismatch(layer, "sliding_window", sliding_window, expected_window)
+    if softcap != spec.logit_softcap:
+        raise _mismatch(layer, "softcap", softcap, spec.logit_softcap)
+    if (s_aux is not None) != spec.has_sinks:
+        raise _mismatch(layer, "sinks", "a tensor" if s_aux is not None else None, spec.has_sinks)
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(
+            f"layer {layer}: attnplug runs one flattened sequence per step (batch dim 1), got query "
+            f"{tuple(query.shape)}; pass input_ids as [1, T]"
+        )
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    k = key[0].transpose(0, 1).contiguous()  # [T, Hkv, D]
+    v = value[0].transpose(0, 1).contiguous()
+    extra = {}
+    if s_aux is not None:
+        extra["sinks"] = s_aux.detach().float()
+    out = step.backend.forward(q, k, v, layer, step.batch, **extra)  # [T, H, D]
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Register ``"attnplug"`` with ``transformers.AttentionInterface`` (idempotent; raises
+    ``MissingDependencyError`` naming the ``hf`` extra when transformers is missing)."""
+    transformers = require_transformers()
+    transformers.AttentionInterface.register(IMPLEMENTATION, attnplug_attention_forward)

@@ -1,0 +1,366 @@
+"""``Engine``: greedy generation with continuous batching over a ``ModelRunner``.
+
+The scheduler, between steps, on the host:
+
+* **Admission.** Requests wait in arrival order and join as soon as a request row is free
+  and the pools can hold them: each running request reserves its whole context in the full
+  pool and, with sliding layers, its live window in the SWA pool; room for one step's new
+  tokens beyond the windows is kept free on top (never more than the requests' contexts can
+  use). A request that fits no pool even alone is refused before anything runs. So a run
+  never runs out of slots halfway, and a small SWA pool is reused as windows slide.
+* **Steps.** While some admitted request has prompt tokens left, the step is an EXTEND of up
+  to ``max_prefill_tokens`` prompt tokens in all (long prompts are prefilled in chunks over
+  several steps); otherwise it is one batched DECODE step of every running request, replayed
+  through a ``GraphRunner`` when graphs are on.
+* **After each step.** Each request takes the argmax of its last token's logits when its
+  prompt is done, out-of-window SWA slots are evicted, and finished requests (``max_new_tokens``
+  tokens, or an EOS token, which is kept) free their slots and row, so others can join.
+
+``generate`` returns the new tokens of each prompt; afterwards every slot and row is back in
+the pools (also when a step raises).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from ...batch import ForwardBatch, ForwardMode
+from ...graphs import EagerGraph
+from .choice import BackendArg
+from .progress import Progress
+from .runner import ModelRunner, _round_up, check_sizes, default_pool_sizes
+from .spec import model_spec
+
+__all__ = ["Engine"]
+
+
+@dataclass
+class _Request:
+    """One prompt being generated (host state)."""
+
+    index: int
+    prompt: List[int]
+    max_new: int
+    out: List[int] = field(default_factory=list)
+    row: int = 0  # request row in req_to_token (0: none yet)
+    slots: List[int] = field(default_factory=list)  # full slot of each stored position
+    seq_len: int = 0  # positions stored in the KV cache
+    reserve_full: int = 0
+    reserve_swa: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.seq_len < len(self.prompt)
+
+    @property
+    def last_loc(self) -> int:
+        return self.slots[-1] if self.slots else -1
+
+
+def _eos_set(eos_token_id) -> frozenset:
+    if eos_token_id is None:
+        return frozenset()
+    values = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
+    if bad:
+        raise ValueError(f"eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}")
+    return frozenset(values)
+
+
+class Engine:
+    """Greedy generation for a transformers causal LM through attnplug.
+
+    ``backend`` as in ``ModelRunner`` (None: the registry's default for the model's device).
+    ``max_batch_size``: requests running at once (request rows, and the largest captured
+    graph); ``max_context_len``: the most positions one request may hold (prompt + new
+    tokens); ``page_size``: KV pool page size; ``max_prefill_tokens``: prompt tokens per EXTEND
+    step (chunked prefill); ``full_pool_tokens`` / ``swa_pool_tokens``: pool sizes (defaults:
+    enough for ``max_batch_size`` requests of ``max_context_len``, ``default_pool_sizes``).
+    ``cuda_graphs``: None uses a ``GraphRunner`` for DECODE steps when the backend can capture
+    them into real device graphs, True always (the eager stand-in where the device has no
+    graphs), False never. ``progress``: None shows a progress line on stderr only on a
+    terminal and for runs longer than a second, True always, False never.
+
+    Attributes: ``runner`` (the ``ModelRunner``), ``graphs`` (its ``GraphRunner`` or None),
+    ``last_run`` (figures of the last ``generate``: steps per mode, graph steps, tokens,
+    seconds, peak running requests and SWA slots in use).
+    """
+
+    def __init__(
+        self,
+        model,
+        backend: BackendArg = None,
+        *,
+        max_batch_size: int = 8,
+        max_context_len: int = 2048,
+        page_size: int = 1,
+        cuda_graphs: Optional[bool] = None,
+        max_prefill_tokens: int = 512,
+        full_pool_tokens: Optional[int] = None,
+        swa_pool_tokens: Optional[int] = None,
+        progress: Optional[bool] = None,
+    ) -> None:
+        check_sizes(
+            max_batch_size=max_batch_size,
+            max_context_len=max_context_len,
+            page_size=page_size,
+            max_prefill_tokens=max_prefill_tokens,
+        )
+        spec = model_spec(model.config)
+        self.step_tokens = max(max_prefill_tokens, max_batch_size)  # the most new tokens of one step
+        full, swa = default_pool_sizes(
+            spec,
+            max_batch_size=max_batch_size,
+            max_context_len=max_context_len,
+            page_size=page_size,
+            max_step_tokens=self.step_tokens,
+        )
+        self.runner = ModelRunner(
+            model,
+            backend,
+            max_batch_size=max_batch_size,
+            max_context_len=max_context_len,
+            page_size=page_size,
+            full_pool_tokens=full if full_pool_tokens is None else full_pool_tokens,
+            swa_pool_tokens=swa if swa_pool_tokens is None else swa_pool_tokens,
+        )
+        self.max_prefill_tokens = max_prefill_tokens
+        self.progress = progress
+        self.graphs = None
+        if self._use_graphs(cuda_graphs):
+            self.graphs = self.runner.enable_graphs(modes=(ForwardMode.DECODE,))
+        self.last_run: Dict[str, object] = {}
+
+    def _use_graphs(self, cuda_graphs: Optional[bool]) -> bool:
+        backend = self.runner.backend
+        if cuda_graphs is False:
+            return False
+        can = ForwardMode.DECODE in backend.capabilities().graphs.modes
+        if cuda_graphs is True:
+            if not can:
+                raise ValueError(
+                    f"cuda_graphs=True but backend {backend.name!r} cannot capture DECODE steps "
+                    f"(graphs={backend.capabilities().graphs.name})"
+                )
+            return True
+        return can and not isinstance(backend.new_graph(), EagerGraph)
+
+    # ------------------------------------------------------------------ the run
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_token_id: Union[None, int, Sequence[int]] = None,
+    ) -> List[List[int]]:
+        """Greedy generation: the new tokens of each prompt (in order), at most
+        ``max_new_tokens`` each, ending at the first EOS token (kept) when ``eos_token_id``
+        (an int or a list) is given. Raises ``ValueError`` naming the prompt for an empty
+        prompt, a token outside the vocabulary, or a request longer than ``max_context_len``
+        or than the pools can ever hold."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        eos = _eos_set(eos_token_id)
+        reqs = [self._request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        waiting = deque(r for r in reqs if r.max_new > 0)
+        running: List[_Request] = []
+        counts = {"steps": {"EXTEND": 0, "DECODE": 0}, "graph_steps": 0, "peak_running": 0, "peak_swa_slots": 0}
+        progress = Progress(len(reqs), enabled=self.progress)
+        start = time.perf_counter()
+        try:
+            while waiting or running:
+                self._admit(waiting, running)
+                prefill = [r for r in running if r.prefilling]
+                if prefill:
+                    self._extend_step(prefill)
+                    counts["steps"]["EXTEND"] += 1
+                else:
+                    counts["graph_steps"] += self._decode_step(running)
+                    counts["steps"]["DECODE"] += 1
+                alloc = self.runner.allocator
+                counts["peak_running"] = max(counts["peak_running"], len(running))
+                counts["peak_swa_slots"] = max(
+                    counts["peak_swa_slots"], self.runner.pool.size_swa - alloc.swa_available_size()
+                )
+                for r in [r for r in running if len(r.out) >= r.max_new or (r.out and r.out[-1] in eos)]:
+                    running.remove(r)
+                    self._release(r)
+                progress.update(**self._figures(reqs, running, waiting, counts))
+        finally:
+            for r in running:  # a step raised: give everything back, the pools stay consistent
+                self._release(r)
+            progress.close(**self._figures(reqs, running, waiting, counts))
+        counts["tokens"] = sum(len(r.out) for r in reqs)
+        counts["seconds"] = time.perf_counter() - start
+        self.last_run = counts
+        return [r.out for r in reqs]
+
+    @staticmethod
+    def _figures(reqs, running, waiting, counts) -> dict:
+        return dict(
+            done=len(reqs) - len(running) - len(waiting),
+            tokens=sum(len(r.out) for r in reqs),
+            running=len(running),
+            waiting=len(waiting),
+            steps=sum(counts["steps"].values()),
+        )
+
+    # ------------------------------------------------------------------ admission
+    def _request(self, index: int, prompt: Sequence[int], max_new: int) -> _Request:
+        runner = self.runner
+        tokens = [int(t) for t in prompt] if not isinstance(prompt, torch.Tensor) else prompt.tolist()
+        if not tokens:
+            raise ValueError(f"prompts[{index}] is empty (a prompt needs at least one token)")
+        bad = [t for t in tokens if not 0 <= t < runner.vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{index}] holds token {bad[0]}, outside the vocabulary [0, {runner.vocab_size})")
+        context = len(tokens) + max_new
+        if context > runner.max_context_len:
+            raise ValueError(
+                f"prompts[{index}]: {len(tokens)} prompt tokens + max_new_tokens={max_new} = {context} exceed "
+                f"max_context_len={runner.max_context_len}"
+            )
+        req = _Request(index, tokens, max_new)
+        req.reserve_full, req.reserve_swa = self._reservation(context)
+        pool = runner.pool
+        swa_need = self._swa_need([req])
+        if req.reserve_full > pool.size or swa_need > pool.size_swa:
+            raise ValueError(
+                f"prompts[{index}] needs {req.reserve_full} full and {swa_need} SWA slots, the pools have "
+                f"{pool.size} and {pool.size_swa}: raise full_pool_tokens / swa_pool_tokens or lower "
+                "max_prefill_tokens"
+            )
+        return req
+
+    def _reservation(self, context: int) -> tuple:
+        """``(full, swa)`` slots a request may hold at once (see the module docstring)."""
+        spec, ps = self.runner.spec, self.runner.pool.page_size
+        full = _round_up(context, ps)
+        if not spec.swa_layer_ids:
+            return full, full
+        window = _round_up(spec.sliding_window + ps - 2, ps) + ps
+        return full, min(full, window)
+
+    def _swa_need(self, reqs: Sequence[_Request]) -> int:
+        """SWA slots ``reqs`` may hold at once: their windows, plus one step's new tokens beyond
+        them (at most ``step_tokens`` and a page per request, and never more than the rest of
+        their contexts)."""
+        ps = self.runner.pool.page_size
+        step = _round_up(self.step_tokens, ps) + len(reqs) * ps
+        windows = sum(r.reserve_swa for r in reqs)
+        return windows + min(step, sum(r.reserve_full - r.reserve_swa for r in reqs))
+
+    def _admit(self, waiting: deque, running: List[_Request]) -> None:
+        pool, rows = self.runner.pool, self.runner.req_to_token_pool
+        used_full = sum(r.reserve_full for r in running)
+        while waiting and rows.available_size() > 0:
+            r = waiting[0]
+            if used_full + r.reserve_full > pool.size or self._swa_need(running + [r]) > pool.size_swa:
+                break
+            waiting.popleft()
+            r.row = rows.alloc()
+            running.append(r)
+            used_full += r.reserve_full
+
+    def _release(self, r: _Request) -> None:
+        if r.slots:
+            self.runner.allocator.free(torch.tensor(r.slots, dtype=torch.int64))
+            r.slots = []
+        if r.row:
+            self.runner.req_to_token_pool.free(r.row)
+            r.row = 0
+
+    # ------------------------------------------------------------------ steps
+    def _allocate(self, mode: ForwardMode, reqs: Sequence[_Request], new: Sequence[int]) -> torch.Tensor:
+        alloc, rows = self.runner.allocator, self.runner.req_to_token_pool
+        seq = [r.seq_len + n for r, n in zip(reqs, new)]
+        last = [r.last_loc for r in reqs]
+        if mode is ForwardMode.DECODE:
+            loc = alloc.alloc_decode(seq, last)
+        else:
+            loc = alloc.alloc_extend([r.seq_len for r in reqs], seq, last)
+        host = loc.tolist()
+        offset = 0
+        for r, n in zip(reqs, new):
+            rows.req_to_token[r.row, r.seq_len : r.seq_len + n] = loc[offset : offset + n].to(torch.int32)
+            r.slots += host[offset : offset + n]
+            offset += n
+        return loc
+
+    def _batch(self, mode: ForwardMode, reqs: Sequence[_Request], new: Sequence[int], loc, positions) -> ForwardBatch:
+        dev = self.runner.pool.device
+        seq = [r.seq_len + n for r, n in zip(reqs, new)]
+        extend = mode is ForwardMode.EXTEND
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
+            out_cache_loc=loc,
+            positions=positions,
+            seq_lens_cpu=seq if self.runner.backend.needs_cpu_seq_lens else None,
+            extend_seq_lens=torch.tensor(new, dtype=torch.int64, device=dev) if extend else None,
+            extend_seq_lens_cpu=list(new) if extend else None,
+        )
+
+    def _advance(self, reqs: Sequence[_Request], new: Sequence[int]) -> None:
+        """The step's tokens are stored: move each request on and evict out-of-window SWA slots."""
+        spec, alloc, rows = self.runner.spec, self.runner.allocator, self.runner.req_to_token_pool
+        for r, n in zip(reqs, new):
+            r.seq_len += n
+            if spec.swa_layer_ids:
+                alloc.evict_out_of_window(rows, r.row, r.seq_len, spec.sliding_window)
+
+    def _extend_step(self, prefill: Sequence[_Request]) -> None:
+        budget, reqs, new = self.max_prefill_tokens, [], []
+        for r in prefill:
+            n = min(len(r.prompt) - r.seq_len, budget)
+            if n <= 0:
+                break
+            reqs.append(r)
+            new.append(n)
+            budget -= n
+        dev = self.runner.pool.device
+        ids = [t for r, n in zip(reqs, new) for t in r.prompt[r.seq_len : r.seq_len + n]]
+        pos = [p for r, n in zip(reqs, new) for p in range(r.seq_len, r.seq_len + n)]
+        ends, done, offset = [], [], 0
+        for r, n in zip(reqs, new):
+            offset += n
+            if r.seq_len + n == len(r.prompt):  # the prompt is complete: its last token's logits
+                ends.append(offset - 1)
+                done.append(r)
+        loc = self._allocate(ForwardMode.EXTEND, reqs, new)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        batch = self._batch(ForwardMode.EXTEND, reqs, new, loc, positions)
+        logits = self.runner.forward(
+            batch,
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions,
+            logits_indices=torch.tensor(ends, dtype=torch.int64, device=dev),
+        )
+        for r, token in zip(done, logits.argmax(dim=-1).tolist()):
+            r.out.append(token)
+        self._advance(reqs, new)
+
+    def _decode_step(self, reqs: Sequence[_Request]) -> int:
+        """One DECODE step of ``reqs``; returns 1 when a captured graph ran it, else 0."""
+        dev = self.runner.pool.device
+        new = [1] * len(reqs)
+        loc = self._allocate(ForwardMode.DECODE, reqs, new)
+        positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=dev)
+        ids = torch.tensor([r.out[-1] for r in reqs], dtype=torch.int64, device=dev)
+        batch = self._batch(ForwardMode.DECODE, reqs, new, loc, positions)
+        replayed = 0
+        if self.graphs is not None:
+            logits = self.runner.forward_graph(batch, ids, positions)
+            replayed = int(self.graphs.bucket_for(batch) is not None)
+        else:
+            logits = self.runner.forward(batch, ids, positions)
+        for r, token in zip(reqs, logits.argmax(dim=-1).tolist()):
+            r.out.append(token)
+        self._advance(reqs, new)
+        return replayed

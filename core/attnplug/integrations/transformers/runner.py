@@ -1,0 +1,248 @@
+"""``ModelRunner``: a transformers causal LM over attnplug's pools and one backend.
+
+The runner owns the KV memory of one model (``SWAKVPool``, ``ReqToTokenPool``,
+``SWATokenAllocator``, on the model's device, in the model's dtype) and the backend built for
+the model's ``ModelSpec``. ``forward`` runs ONE step of any ``ForwardMode``: the new tokens of
+every request of the step flattened into one sequence (batch dim 1), the backend's metadata
+prepared once, then the model with the step bound to its attention layers. The caller (an
+engine, ``Engine``, or a test) allocates slots, writes ``req_to_token`` and builds the
+``ForwardBatch``, as for any attnplug backend.
+
+Uniform steps (DECODE; TARGET_VERIFY / DRAFT_EXTEND with ``num_draft_tokens``) can run
+through a ``GraphRunner`` whose captured step is the whole model forward
+(``enable_graphs`` / ``forward_graph``): device graphs where the backend has them, its eager
+stand-in otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ...batch import ForwardBatch, ForwardMode
+from ...graphs import GraphRunner
+from ...memory import ReqToTokenPool, SWAKVPool, SWATokenAllocator
+from .attention import IMPLEMENTATION, BoundStep, bind_step, register
+from .choice import BackendArg, backend_class
+from .errors import UnsupportedModelError
+from .modules import attention_modules
+from .spec import ModelSpec, model_spec
+from .support import unsupported_reasons
+
+__all__ = ["ModelRunner", "default_pool_sizes", "check_sizes"]
+
+
+def _round_up(n: int, page: int) -> int:
+    return -(-n // page) * page
+
+
+def default_pool_sizes(
+    spec: ModelSpec, *, max_batch_size: int, max_context_len: int, page_size: int, max_step_tokens: int
+) -> tuple:
+    """``(full_pool_tokens, swa_pool_tokens)`` that never run out for ``max_batch_size``
+    requests of up to ``max_context_len`` positions whose steps add at most
+    ``max_step_tokens`` tokens in all, with out-of-window SWA slots evicted between steps.
+
+    Full pool: every request's whole context. SWA pool: without sliding layers, the same (it
+    holds no KV then, only bookkeeping); with them, each request's live window (at most
+    ``W + page_size - 2`` positions after eviction, in whole pages) plus one step's new tokens
+    (and one page per request for where they start)."""
+    full = max_batch_size * _round_up(max_context_len, page_size)
+    if not spec.swa_layer_ids:
+        return full, full
+    window = _round_up(spec.sliding_window + page_size - 2, page_size) + page_size
+    step = _round_up(max_step_tokens, page_size) + max_batch_size * page_size
+    return full, min(full, max_batch_size * window + step)
+
+
+def check_sizes(**sizes) -> None:
+    """Raise ``ValueError`` naming the first argument that is not an int >= 1."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _model_device_dtype(model) -> tuple:
+    param = next(iter(model.parameters()), None)
+    if param is None:
+        raise UnsupportedModelError("the model has no parameters (device and dtype unknown)")
+    return param.device, param.dtype
+
+
+class ModelRunner:
+    """One transformers causal LM (``PreTrainedModel``) over attnplug.
+
+    ``backend``: None (the registry's default for the model's device), a registry name or
+    ``module:Class``, or a backend class. The model's attention implementation is set to
+    ``"attnplug"`` (``model.set_attn_implementation``) and the model put in eval mode; to run
+    it with another implementation again, call ``model.set_attn_implementation(...)``.
+
+    Pools: ``max_batch_size`` request rows of ``max_context_len`` positions;
+    ``full_pool_tokens`` / ``swa_pool_tokens`` slots (defaults: ``default_pool_sizes`` with
+    steps of up to ``max_context_len`` tokens); ``page_size`` slots per page.
+
+    Refused at construction with ``UnsupportedModelError`` and the reason: a model attnplug
+    cannot express (``model_spec``), a backend lacking a capability the model needs (sliding
+    window, logit soft-capping, sinks, the model's dtype, head dim or ``page_size``), a backend
+    of another device type.
+
+    Attributes: ``model``, ``spec``, ``backend`` (the instance), ``pool``,
+    ``req_to_token_pool``, ``allocator``, ``device``, ``dtype``, ``vocab_size``, ``graphs``
+    (the ``GraphRunner`` once ``enable_graphs`` ran, else None).
+    """
+
+    def __init__(
+        self,
+        model,
+        backend: BackendArg = None,
+        *,
+        max_batch_size: int,
+        max_context_len: int,
+        page_size: int = 1,
+        swa_pool_tokens: Optional[int] = None,
+        full_pool_tokens: Optional[int] = None,
+    ) -> None:
+        check_sizes(max_batch_size=max_batch_size, max_context_len=max_context_len, page_size=page_size)
+        register()
+        self.spec = model_spec(model.config)
+        self.device, self.dtype = _model_device_dtype(model)
+        cls = backend_class(backend, self.device)
+        caps = cls.installed_capabilities()
+        if caps is None:
+            raise UnsupportedModelError(f"backend {cls.name!r} declares no capabilities; cannot check it can run")
+        reasons = unsupported_reasons(caps, self.spec, dtype=self.dtype, page_size=page_size)
+        if reasons:
+            raise UnsupportedModelError(
+                f"backend {cls.name!r} cannot run this {self.spec.model_type} model: it lacks " + "; ".join(reasons)
+            )
+        self.modules = attention_modules(model, self.spec)
+        if model.config._attn_implementation != IMPLEMENTATION:
+            model.set_attn_implementation(IMPLEMENTATION)
+            if model.config._attn_implementation != IMPLEMENTATION:
+                raise UnsupportedModelError(
+                    f"{type(model).__name__} cannot switch its attention implementation to {IMPLEMENTATION!r} "
+                    "(it does not use transformers' AttentionInterface)"
+                )
+        self.model = model.eval()
+        self.vocab_size = int(model.config.vocab_size)
+
+        full, swa = default_pool_sizes(
+            self.spec,
+            max_batch_size=max_batch_size,
+            max_context_len=max_context_len,
+            page_size=page_size,
+            max_step_tokens=max_context_len,
+        )
+        self.pool = SWAKVPool(
+            size=full if full_pool_tokens is None else full_pool_tokens,
+            size_swa=swa if swa_pool_tokens is None else swa_pool_tokens,
+            num_layers=self.spec.num_layers,
+            swa_layer_ids=self.spec.swa_layer_ids,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            page_size=page_size,
+        )
+        self.req_to_token_pool = ReqToTokenPool(max_batch_size + 1, max_context_len, self.pool.device)
+        self.allocator = SWATokenAllocator(self.pool)
+        kwargs = {"logit_softcap": self.spec.logit_softcap} if self.spec.logit_softcap is not None else {}
+        self.backend = cls(
+            self.pool,
+            self.req_to_token_pool,
+            num_heads=self.spec.num_heads,
+            sliding_window=self.spec.sliding_window,
+            scaling=self.spec.scaling,
+            **kwargs,
+        )
+        self.max_batch_size = max_batch_size
+        self.max_context_len = max_context_len
+        self.graphs: Optional[GraphRunner] = None
+
+    # ------------------------------------------------------------------ eager steps
+    def forward(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        logits_indices: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Run one step eagerly: ``backend.init_forward_metadata(batch)`` then the model.
+
+        ``input_ids`` / ``positions``: ``[T]`` int64 on the model's device, the step's new tokens
+        request by request (``T = batch.num_tokens``; positions feed RoPE). The batch's slots
+        must be allocated and written into ``req_to_token`` by the caller. Returns the logits,
+        float32 ``[T, vocab]``, or ``[len(logits_indices), vocab]`` for the tokens at
+        ``logits_indices`` (``[n]`` int64; the LM head then runs on those tokens only)."""
+        self._check_tokens(batch, input_ids, positions)
+        self.backend.init_forward_metadata(batch)
+        return self._run_model(batch, input_ids, positions, logits_indices)
+
+    def _check_tokens(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        T = batch.num_tokens
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != T:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a [T={T}] tensor (batch.num_tokens), got {got}")
+            if t.dtype != torch.int64:
+                raise ValueError(f"{name} must be int64, got {str(t.dtype).replace('torch.', '')}")
+            if t.device != self.pool.device:
+                raise ValueError(f"{name} is on {t.device}, the model on {self.pool.device}")
+
+    def _run_model(
+        self,
+        batch: ForwardBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The model over the step's tokens, with the step bound (metadata already prepared)."""
+        step = BoundStep(self.backend, batch, self.spec, self.modules)
+        keep = 0 if logits_indices is None else logits_indices
+        with torch.no_grad(), bind_step(step):
+            out = self.model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep
+            )
+        return out.logits[0].float()
+
+    # ------------------------------------------------------------------ graphs
+    def enable_graphs(
+        self,
+        *,
+        max_bs: Optional[int] = None,
+        modes: Sequence[ForwardMode] = (ForwardMode.DECODE,),
+        num_draft_tokens: Optional[int] = None,
+        bucket_sizes: Optional[Sequence[int]] = None,
+    ) -> GraphRunner:
+        """Build (once) the ``GraphRunner`` that captures whole-model steps of ``modes``
+        (default DECODE) for up to ``max_bs`` requests (default ``max_batch_size``); it
+        captures on its first step or on ``graphs.capture()``. Returns it (``self.graphs``)."""
+        if self.graphs is None:
+            self.graphs = GraphRunner(
+                self.backend,
+                self._graph_step,
+                max_bs=max_bs or self.max_batch_size,
+                inputs={"input_ids": ((), torch.int64)},
+                num_draft_tokens=num_draft_tokens,
+                bucket_sizes=bucket_sizes,
+                modes=list(modes),
+            )
+        return self.graphs
+
+    def _graph_step(self, batch: ForwardBatch, inputs) -> torch.Tensor:
+        return self._run_model(batch, inputs["input_ids"], batch.positions)
+
+    def forward_graph(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run one step through the ``GraphRunner`` (``enable_graphs`` first): replayed when a
+        captured bucket holds it, else eagerly (``self.graphs.why_eager(batch)`` says why).
+        Arguments as in ``forward``; returns float32 ``[T, vocab]``, a view of the graph's
+        static output after a replay, valid until the next step (read or clone it first)."""
+        if self.graphs is None:
+            raise RuntimeError("forward_graph() before enable_graphs()")
+        self._check_tokens(batch, input_ids, positions)
+        if batch.positions is not positions:
+            batch = dataclasses.replace(batch, positions=positions, validate=False)
+        return self.graphs.run(batch, {"input_ids": input_ids})

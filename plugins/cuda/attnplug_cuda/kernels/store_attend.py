@@ -1,0 +1,506 @@
+"""One launch per layer for small steps: store the step's K/V, attend, merge the KV splits.
+
+For small decode-sized steps (``max_q_len * G <= MAX_ROWS`` and few enough requests that
+every (request, kv head) group gets at least two KV splits: ``eligible``) a layer is ONE
+kernel, ``_store_attend_kernel``, instead of a KV store, an attention kernel and a split
+combine. At small batch a layer's time is a chain of dependent memory round trips and
+launches, not bandwidth; this kernel shortens the chain:
+
+* the store of the step's K/V rows is done by split 0 of each (request, kv head) program
+  group, and every program reads the keys of the step's own tokens from ``k`` / ``v`` (the
+  rows it would otherwise read back from the cache right after the store), so no program
+  waits for another;
+* the KV range of a request is cut into ``NUM_SPLITS`` chunks, sized from host bounds so the
+  grid fills the GPU even at batch 1 (flash-decoding); each program writes a partial
+  ``(m, l, acc)``, and the LAST program of the group to finish (an atomic ticket per group)
+  merges the partials and writes the output: no second launch. The ticket counters return to
+  zero in the same launch, so the kernel can be replayed from a graph any number of times;
+* K and V of a key block are requested together before any arithmetic.
+
+Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
+``D`` head dim, ``S`` cache slots, ``R`` table rows):
+
+=============  =========================  ===============================================
+tensor         shape / dtype              meaning
+=============  =========================  ===============================================
+q, out         [T, H, D] fp16/bf16/fp32   last dim contiguous, other strides free
+k, v           [T, Hkv, D], q's dtype     the step's new K/V rows (last dim contiguous,
+                                          heads dense); stored at ``loc``
+loc            [T] int32/int64            cache slot of each new token (``[1, S)`` is
+                                          stored, anything else skipped) or None: nothing
+                                          stored, every key read from the cache
+k_cache,       [S, Hkv, D], q's dtype     contiguous
+v_cache
+cu_q_lens      [bs + 1] int32             exclusive prefix sum of new tokens per request
+seq_lens       [bs] int32/int64           KV length of each request INCLUDING new tokens
+table,         as ``paged_attention``     slot of key position ``j`` of request ``b`` is
+table_rows,                               ``table[table_rows[b], j - table_start[b]]``
+table_start
+workspace      fp32, contiguous           split partials (``store_attend_workspace_numel``)
+tickets        [>= bs * Hkv] int32        one counter per (request, kv head) group,
+                                          ZERO-filled once; every launch leaves it zero
+=============  =========================  ===============================================
+
+Semantics are those of ``paged_attention`` after ``kv_store`` (the same logits and masks;
+results differ only by rounding, since the KV range is split elsewhere). A key position is a key only when its
+table entry is a slot in ``[1, S)``; for a position of the step's own tokens the K/V values
+come from ``k`` / ``v`` — equal to what the store writes, since the engine's table points
+at ``loc`` for those positions (the contract's ``out_cache_loc``). With ``loc=None`` (the
+layer does not save its KV) every key is read from the cache.
+
+PDL: the kernel ``gdc_wait``s before its first load and releases its dependents after its
+last store (releasing right after ``gdc_wait`` was measured slower on an H200).
+The merge order of the splits is fixed (split 0 first), so the output does not depend on
+which program merges: PDL on and off give identical bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .interpret import ensure_interpreter_compat
+from .paged_attention import _num_sms, _tanh
+
+__all__ = ["store_attend", "plan_store_attend", "store_attend_workspace_numel", "MAX_ROWS"]
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: most (token, q head) rows of one request this kernel serves: decode-sized steps (an H200
+#: ran 4-draft steps with 4 q heads per kv head, 16 rows, no faster than store + attention)
+MAX_ROWS = 8
+#: most KV splits of one (request, kv head) group
+MAX_SPLITS = 32
+#: a split covers at least this many keys
+MIN_KEYS_PER_SPLIT = 32
+#: split until the grid has about this many programs per SM
+PROGRAMS_PER_SM = 1
+#: most (split, row) pairs the merge holds at once
+MERGE_ROWS = 64
+
+ensure_interpreter_compat()
+
+
+@triton.jit
+def _store_attend_kernel(
+    Q,
+    KNew,
+    VNew,
+    Loc,
+    K,
+    V,
+    Out,
+    Work,
+    Tickets,
+    CuQ,
+    SeqLens,
+    Table,
+    TableRows,
+    TableStart,
+    Sinks,  # [H] float32 sink logits (natural log); read only with HAS_SINKS
+    qk_scale,  # sm_scale * log2(e); with SOFTCAP: sm_scale / c
+    softcap_log2,  # with SOFTCAP: c * log2(e)
+    window,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_vnt,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    table_width,
+    table_rows_len,  # R: rows of the table
+    num_slots,  # S: rows of the cache
+    num_groups,  # bs * Hkv: program groups (sizes the workspace sections)
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_TABLE_START: tl.constexpr,
+    STORE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_g = tl.program_id(0)  # (request, kv head) group
+    pid_s = tl.program_id(1)  # split
+    b = pid_g // num_kv_heads
+    hk = pid_g % num_kv_heads
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    tok = offs_m // G
+    head = hk * G + offs_m % G
+    kv_stride = num_kv_heads * HEAD_DIM
+    kv_col = hk * HEAD_DIM + offs_d
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+    q_start = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q_start
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    t_idx = tl.load(TableRows + b).to(tl.int64)
+    if HAS_TABLE_START:
+        t_start = tl.load(TableStart + b).to(tl.int32)
+    else:
+        t_start = 0
+    new0 = seq_len - q_len  # position of the step's first token
+
+    if STORE:
+        if pid_s == 0:  # one program per group stores the group's head of the new rows
+            offs_t = tl.arange(0, BLOCK_T)
+            t_rows = (q_start + offs_t).to(tl.int64)
+            loc = tl.load(Loc + t_rows, mask=offs_t < q_len, other=0).to(tl.int64)
+            ok = (offs_t < q_len) & (loc >= 1) & (loc < num_slots)
+            st_mask = ok[:, None] & d_valid[None, :]
+            kn = tl.load(KNew + t_rows[:, None] * stride_knt + kv_col[None, :], mask=st_mask)
+            vn = tl.load(VNew + t_rows[:, None] * stride_vnt + kv_col[None, :], mask=st_mask)
+            dst = loc[:, None] * kv_stride + kv_col[None, :]
+            tl.store(K + dst, kn, mask=st_mask)
+            tl.store(V + dst, vn, mask=st_mask)
+
+    n_rows = q_len * G
+    row_valid = offs_m < n_rows
+    rd_mask = row_valid[:, None] & d_valid[None, :]
+    pos = new0 + tok
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
+
+    # the group's key range: the first token's window start .. the last token's position
+    kv_hi = seq_len
+    if HAS_WINDOW:
+        lo = tl.maximum(pos - window + 1, 0)
+        kv_lo = tl.maximum(new0 - window + 1, 0)
+    else:
+        lo = 0
+        kv_lo = seq_len * 0
+    kv_hi = tl.where(q_len > 0, kv_hi, kv_lo)
+    kv_hi = tl.maximum(kv_hi, kv_lo)
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        s_lo = tl.minimum(kv_lo + pid_s * chunk, kv_hi)
+        s_hi = tl.minimum(s_lo + chunk, kv_hi)
+    else:
+        s_lo = kv_lo
+        s_hi = kv_hi
+
+    t_idx = tl.where((t_idx >= 0) & (t_idx < table_rows_len), t_idx, 0)  # outside the table: row 0
+    t_row = Table + t_idx * stride_table
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(s_lo, s_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        col = offs_n - t_start
+        in_range = offs_n < s_hi
+        slot = tl.load(t_row + col, mask=in_range & (col >= 0) & (col < table_width), other=0)
+        has_key = (slot >= 1) & (slot < num_slots)
+        kv_mask = has_key[:, None] & d_valid[None, :]
+        kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
+        if STORE:
+            # keys of the step's own tokens: the rows being stored, read from k / v
+            is_new = offs_n >= new0
+            n_row = (q_start + offs_n - new0).to(tl.int64)
+            k_ptr = tl.where(is_new[:, None], KNew + n_row[:, None] * stride_knt + kv_col[None, :], K + kv_off)
+            v_ptr = tl.where(is_new[:, None], VNew + n_row[:, None] * stride_vnt + kv_col[None, :], V + kv_off)
+        else:
+            k_ptr = K + kv_off
+            v_ptr = V + kv_off
+        k = tl.load(k_ptr, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            qk = _tanh(qk * qk_scale) * softcap_log2 + tl.where(has_key, 0.0, float("-inf"))[None, :]
+        else:
+            qk = qk * qk_scale + tl.where(has_key, 0.0, float("-inf"))[None, :]
+        keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
+        if HAS_WINDOW:
+            keep = keep & (offs_n[None, :] >= lo[:, None])
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    o_ptrs = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:  # joins the denominator only, once (in the merge when the range is split)
+            sink = tl.load(Sinks + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rd_mask)
+    else:
+        # workspace: m [groups, splits, ROWS], then l (same), then acc [groups, splits, ROWS, D];
+        # only the first ROWS rows of the tile are real (ROWS >= q_len * G)
+        n_ml = num_groups * NUM_SPLITS * ROWS
+        WorkL = Work + n_ml
+        WorkAcc = Work + 2 * n_ml
+        gbase = pid_g.to(tl.int64) * NUM_SPLITS * ROWS
+        prow = gbase + pid_s * ROWS + offs_m
+        keep_row = offs_m < ROWS
+        tl.store(Work + prow, m_i, mask=keep_row)
+        tl.store(WorkL + prow, l_i, mask=keep_row)
+        tl.store(WorkAcc + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep_row[:, None] & d_valid[None, :])
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(Tickets + pid_g, 1, sem="acq_rel")
+        if ticket == NUM_SPLITS - 1:  # the last program of the group merges every split at once
+            offs_s = tl.arange(0, NUM_SPLITS)
+            offs_r = tl.arange(0, ROWS)
+            sr = gbase + offs_s[:, None] * ROWS + offs_r[None, :]  # [splits, ROWS]
+            ms = tl.load(Work + sr, cache_modifier=".cg")
+            ls = tl.load(WorkL + sr, cache_modifier=".cg")
+            parts = tl.load(
+                WorkAcc + sr[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                mask=d_valid[None, None, :],
+                cache_modifier=".cg",
+            )
+            m_all = tl.max(ms, 0)
+            r_valid = offs_r < n_rows
+            r_head = hk * G + offs_r % G
+            if HAS_SINKS:
+                r_sink = tl.load(Sinks + r_head, mask=r_valid, other=0.0) * 1.4426950408889634
+                m_all = tl.maximum(m_all, r_sink)
+            w = tl.math.exp2(ms - m_all[None, :])
+            total = tl.sum(w * ls, 0)
+            if HAS_SINKS:
+                total += tl.math.exp2(r_sink - m_all)
+            merged = tl.sum(parts * w[:, :, None], 0)
+            out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+            r_rows = (q_start + offs_r // G).to(tl.int64)
+            r_ptrs = Out + r_rows[:, None] * stride_ot + r_head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(r_ptrs, out.to(Out.dtype.element_ty), mask=r_valid[:, None] & d_valid[None, :])
+            tl.atomic_xchg(Tickets + pid_g, 0, sem="relaxed")  # ready for the next launch
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of ``device`` (a small stand-in off CUDA: the interpreter)."""
+    return _num_sms(device.type, device.index)
+
+
+def eligible(num_reqs: int, num_kv_heads: int, max_q_len: int, group: int, num_sms: int) -> bool:
+    """True when this kernel serves the step: at most ``max_q_len`` new tokens per request
+    (``group`` q heads per kv head) fit one tile of rows, and the (request, kv head) groups
+    leave room for at least two KV splits per group on ``num_sms`` SMs. Larger batches fill
+    the GPU without splits and run faster through ``kv_store`` + ``paged_attention``
+    (measured on an H200 from bs 32 on)."""
+    return 1 <= max_q_len * group <= MAX_ROWS and 2 * num_reqs * num_kv_heads <= PROGRAMS_PER_SM * num_sms
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms) -> tuple:
+    rows = triton.next_power_of_2(max(1, max_q_len) * group)
+    block_d = triton.next_power_of_2(head_dim)
+    span = max(1, max_kv_len)
+    if window is not None:
+        span = min(span, max(1, max_q_len) + window - 1)
+    groups = max(1, num_reqs * num_kv_heads)
+    # Measured on an H200 (48-layer hybrid step, bf16, D=128, 8 kv heads, W=256, 1024 keys):
+    # the best split count keeps the grid within one program per SM and a split at >= 32 keys
+    # (bs 1: 8 splits of 32 keys on SWA layers, 16 of 64 on full layers; bs 8: 2 splits).
+    splits = 1
+    while (
+        splits * 2 <= MAX_SPLITS
+        and groups * splits * 2 <= PROGRAMS_PER_SM * num_sms
+        and span >= splits * 2 * MIN_KEYS_PER_SPLIT
+        and splits * 2 * rows <= MERGE_ROWS
+    ):
+        splits *= 2
+    # one key block covers a split's keys where it can (each loop trip is a dependent chain)
+    block_n = max(16, min(triton.next_power_of_2(triton.cdiv(span, splits)), 128 if block_d <= 128 else 64))
+    return tuple(
+        dict(
+            BLOCK_M=max(16, rows),
+            ROWS=rows,
+            BLOCK_N=block_n,
+            num_warps=8 if block_n * block_d >= 128 * 128 else 4,
+            num_stages=2,
+            num_splits=splits,
+        ).items()
+    )
+
+
+def plan_store_attend(
+    *,
+    num_reqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_q_len: int,
+    max_kv_len: int,
+    window: Optional[int],
+    num_sms: int,
+) -> dict:
+    """Tile sizes, warps, stages and KV splits (a power of two) for one call, from host ints
+    only (the grid never depends on device values)."""
+    return dict(_plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms))
+
+
+def store_attend_workspace_numel(head_dim: int, num_sms: int) -> int:
+    """fp32 elements of a workspace serving every plan on a GPU with ``num_sms`` SMs: the
+    plan splits only while the grid is below ``PROGRAMS_PER_SM * num_sms`` programs and rounds
+    the split count up to a power of two, so a split grid has fewer than four times that many
+    programs, each with ``MAX_ROWS`` rows of partials."""
+    return 4 * max(PROGRAMS_PER_SM * num_sms, MAX_SPLITS) * MAX_ROWS * (head_dim + 2)
+
+
+def store_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    loc: Optional[torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    table: torch.Tensor,
+    table_rows: torch.Tensor,
+    table_start: Optional[torch.Tensor] = None,
+    max_q_len: int,
+    max_kv_len: int,
+    sm_scale: Optional[float] = None,
+    window: Optional[int] = None,
+    workspace: torch.Tensor,
+    tickets: torch.Tensor,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    pdl: bool = False,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Store ``k``/``v`` at ``loc`` (None: store nothing), attend ``q`` over the paged cache
+    into ``out`` and return ``out``, in one launch (module docstring).
+
+    ``max_q_len * G`` must be <= ``MAX_ROWS`` (``eligible``). ``max_q_len`` / ``max_kv_len``
+    are host bounds that size the grid. ``workspace``: fp32, >= ``store_attend_workspace_numel``
+    elements; ``tickets``: int32, >= ``bs * Hkv`` elements, zero-filled once when allocated
+    and reused by every call (each launch leaves it zero). Both are static buffers in graph
+    mode. ``softcap`` (> 0) and ``sinks`` (float32 ``[H]``) as in ``paged_attention``.
+    ``config`` overrides keys of the plan (tests, benchmarks).
+    """
+    assert q.dim() == 3 and out.shape == q.shape, f"q {tuple(q.shape)} and out {tuple(out.shape)} must be [T, H, D]"
+    T, H, D = q.shape
+    assert k_cache.dim() == 3 and k_cache.shape[2] == D, f"k_cache must be [S, Hkv, {D}], got {tuple(k_cache.shape)}"
+    assert v_cache.shape == k_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+    hkv = k_cache.shape[1]
+    assert H % hkv == 0, f"{H} q heads are not a multiple of {hkv} kv heads"
+    G = H // hkv
+    assert 1 <= max_q_len * G <= MAX_ROWS, f"max_q_len {max_q_len} x group {G} exceeds {MAX_ROWS} rows"
+    assert q.dtype in _DTYPES, f"q dtype {q.dtype} is not one of {_DTYPES}"
+    for name, t in (("k", k), ("v", v)):
+        assert t.dim() == 3 and t.shape == (T, hkv, D), f"{name} must be [{T}, {hkv}, {D}], got {tuple(t.shape)}"
+        assert t.stride(2) == 1 and (hkv == 1 or t.stride(1) == D), f"{name} needs a contiguous last dim, dense heads"
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        assert t.dtype == q.dtype, f"{name} is {t.dtype}, q is {q.dtype}"
+    assert q.stride(2) == 1 and out.stride(2) == 1, "q and out need a contiguous last dim"
+    if loc is not None:
+        assert loc.dim() == 1 and loc.shape[0] >= T and loc.dtype in (torch.int32, torch.int64)
+    bs = cu_q_lens.shape[0] - 1
+    assert cu_q_lens.dtype == torch.int32 and bs >= 0, "cu_q_lens must be [bs + 1] int32"
+    assert table.dim() == 2 and table.dtype == torch.int32 and (table.stride(1) == 1 or table.shape[1] <= 1)
+    assert workspace.dtype == torch.float32 and workspace.is_contiguous(), "workspace must be contiguous float32"
+    assert tickets.dtype == torch.int32 and tickets.is_contiguous(), "tickets must be contiguous int32"
+    if sinks is not None:
+        assert sinks.shape == (H,) and sinks.dtype == torch.float32 and sinks.is_contiguous(), (
+            f"sinks must be contiguous float32 [{H}], got {tuple(sinks.shape)} {sinks.dtype}"
+        )
+    if T == 0 or bs == 0:
+        return out
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    if softcap is not None:
+        assert softcap > 0 and math.isfinite(softcap), f"softcap must be a finite float > 0, got {softcap!r}"
+        qk_scale, softcap_log2 = float(sm_scale) / softcap, softcap * _LOG2E
+    else:
+        qk_scale, softcap_log2 = float(sm_scale) * _LOG2E, 1.0
+    device = q.device
+    plan = plan_store_attend(
+        num_reqs=bs,
+        num_kv_heads=hkv,
+        group=G,
+        head_dim=D,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+        window=window,
+        num_sms=num_sms(device),
+    )
+    if config:
+        plan.update(config)
+    splits = int(plan["num_splits"])
+    groups = bs * hkv
+    if splits > 1:
+        assert splits & (splits - 1) == 0, f"num_splits must be a power of two, got {splits}"
+        need = groups * splits * plan["ROWS"] * (D + 2)
+        assert workspace.numel() >= need, f"workspace needs >= {need} fp32 elements, has {workspace.numel()}"
+        assert tickets.numel() >= groups, f"tickets needs >= {groups} int32 elements, has {tickets.numel()}"
+    extra = {"launch_pdl": True} if pdl else {}
+    _store_attend_kernel[(groups, splits)](
+        q,
+        k,
+        v,
+        loc if loc is not None else cu_q_lens,
+        k_cache,
+        v_cache,
+        out,
+        workspace,
+        tickets,
+        cu_q_lens,
+        seq_lens,
+        table,
+        table_rows,
+        table_start if table_start is not None else table_rows,
+        sinks if sinks is not None else workspace,
+        qk_scale,
+        softcap_log2,
+        window if window is not None else 0,
+        hkv,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        v.stride(0),
+        out.stride(0),
+        out.stride(1),
+        table.stride(0),
+        table.shape[1],
+        table.shape[0],
+        k_cache.shape[0],
+        groups,
+        G=G,
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_M=plan["BLOCK_M"],
+        ROWS=plan["ROWS"],
+        BLOCK_T=max(1, triton.next_power_of_2(max(1, max_q_len))),
+        BLOCK_N=plan["BLOCK_N"],
+        NUM_SPLITS=splits,
+        HAS_WINDOW=window is not None,
+        HAS_TABLE_START=table_start is not None,
+        STORE=loc is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+        PDL=pdl,
+        num_warps=plan["num_warps"],
+        num_stages=plan["num_stages"],
+        **extra,
+    )
+    return out
