@@ -79,3 +79,21 @@ def test_missing_transformers_names_the_extra(monkeypatch, capsys):
         "attnplug: error: generate: the transformers integration needs the transformers package: "
         "pip install 'attnplug[hf]'"
     )
+
+
+def test_tiny_models_take_a_head_dim_the_backend_serves():
+    """``--tiny`` on a backend without the tiny head dim (the cuda backend serves 64, 128, 256)
+    builds the tiny model with the smallest head dim the backend serves."""
+    import dataclasses
+
+    from attnplug.backends.reference import ReferenceBackend
+    from attnplug.integrations.transformers.command import _tiny_head_dim
+
+    class WideHeads(ReferenceBackend):
+        @classmethod
+        def declared_capabilities(cls):
+            return dataclasses.replace(super().declared_capabilities(), head_dims=(128, 64))
+
+    assert _tiny_head_dim(WideHeads) == {"head_dim": 64}
+    assert _tiny_head_dim(ReferenceBackend) == {}
+    assert tiny_model("llama", **_tiny_head_dim(WideHeads)).config.head_dim == 64

@@ -100,13 +100,31 @@ def _dtype(args, cls, config_dtype: Optional[torch.dtype]) -> torch.dtype:
     return preferred[0]
 
 
+def _tiny_head_dim(cls) -> dict:
+    """``{"head_dim": d}`` when the backend does not serve the tiny models' head dim: the
+    smallest one it serves (e.g. 64 on the cuda backend); else no override."""
+    from .tiny import tiny_config
+
+    caps = cls.installed_capabilities()
+    if caps is None or not caps.head_dims or tiny_config("llama").head_dim in caps.head_dims:
+        return {}
+    return {"head_dim": min(caps.head_dims)}
+
+
 def _load(args, cls, device):
     """(model, tokenizer or None)."""
     from .errors import require_transformers
     from .tiny import tiny_model
 
     if args.tiny:
-        return tiny_model(args.tiny, dtype=_dtype(args, cls, None), device=device, attn_implementation="attnplug"), None
+        model = tiny_model(
+            args.tiny,
+            dtype=_dtype(args, cls, None),
+            device=device,
+            attn_implementation="attnplug",
+            **_tiny_head_dim(cls),
+        )
+        return model, None
     transformers = require_transformers()
     from .attention import IMPLEMENTATION, register
 

@@ -153,8 +153,8 @@ def _step_metadata_kernel(
         if COPY:
             tl.store(DstOutCacheLoc + offs, full, mask=padded)
             if HAS_POS:
-                pos = tl.load(Positions + offs * stride_pos, mask=real, other=0)
-                tl.store(DstPositions + offs, pos, mask=padded)
+                new_pos = tl.load(Positions + offs * stride_pos, mask=real, other=0)
+                tl.store(DstPositions + offs, new_pos, mask=padded)
         if HAS_SWA:
             in_map = (full >= 0) & (full < mapping_len)  # -1 and garbage: no slot, never a wrap
             swa = tl.load(Mapping + full, mask=padded & in_map, other=-1)
@@ -201,8 +201,8 @@ def _step_metadata_kernel(
             pos = ws + cols
             valid = (pos >= 0) & (pos < seq) & (pos < r2t_cols) & (cols < width)
             f_slot = tl.load(ReqToToken + row * stride_r2t + pos, mask=valid, other=0)
-            in_map = (f_slot >= 0) & (f_slot < mapping_len)
-            s_slot = tl.load(Mapping + f_slot, mask=valid & in_map, other=0)
+            f_in_map = (f_slot >= 0) & (f_slot < mapping_len)
+            s_slot = tl.load(Mapping + f_slot, mask=valid & f_in_map, other=0)
             s_slot = tl.where(valid, s_slot, 0)
             tl.store(Table + b.to(tl.int64) * stride_table + cols, s_slot.to(tl.int32), mask=cols < width)
     if PDL:
