@@ -3,8 +3,11 @@
 Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the layers read:
 the hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the
 window's start, each new token's position, and the window's SWA slot table (full-pool rows
-translated once per step). Per layer, two launches: the KV store at the hoisted slots and
-the paged attention (plus a combine launch when the KV range is split for decode).
+translated once per step). Per layer: small decode steps (``kernels.store_attend.eligible``:
+a few rows per request, room for two KV splits per request and kv head) run ONE launch that
+stores the step's K/V, attends and merges its KV splits; other steps run two launches, the
+KV store at the hoisted slots and the paged attention (plus a combine launch when the KV
+range is split for decode).
 
 Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
 launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).
@@ -13,7 +16,8 @@ Options (environment, read at construction):
 
 * ``ATTNPLUG_DISABLE_PDL=1``: launch without Programmatic Dependent Launch.
 * ``ATTNPLUG_KV_STORE=cpp``: store KV with the CUDA C++ kernel (``csrc/kv_store.cu``, built
-  JIT on first use); when it cannot be built the Triton store is used and the instance's
+  JIT on first use; small steps then store with it and attend with ``store_attend``, which
+  stores nothing); when it cannot be built the Triton store is used and the instance's
   ``kv_store_reason`` says why (``attnplug info`` checks the prerequisites only; it builds
   nothing). Default ``triton``.
 """
@@ -21,7 +25,7 @@ Options (environment, read at construction):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 
@@ -62,6 +66,9 @@ class CudaBackend(AttentionBackend):
     needs_cpu_seq_lens = False
     copies_replay_batch = True  # the one metadata launch also fills the runner's static batch
     device_part = CudaDevice()
+    #: small decode steps run one ``store_attend`` launch per layer (False: always the KV
+    #: store + attention launches; benchmarks compare the two)
+    one_launch_small_steps: ClassVar[bool] = True
 
     def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
         super().__init__(
@@ -165,7 +172,7 @@ class CudaBackend(AttentionBackend):
     def _fused_step(self, bs: int, max_q_len: int) -> bool:
         """Whether a step of ``bs`` requests with up to ``max_q_len`` new tokens each runs one
         ``store_attend`` launch per layer (small steps) instead of a store + attention."""
-        return self._fused_eligible(
+        return self.one_launch_small_steps and self._fused_eligible(
             bs, self.num_kv_heads, max_q_len, self.num_heads // self.num_kv_heads, self._num_sms
         )
 

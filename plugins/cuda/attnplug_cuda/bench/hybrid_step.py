@@ -24,6 +24,8 @@ Around the new path's steps, in the same run:
   PDL where the backend uses it: ``floor.EmptyKernelFloor``) and the bandwidth floor (the
   step's bytes, ``attnplug.bench.floors.step_bytes``, at the device-to-device copy bandwidth
   measured first); times held to ``TIME_TARGETS_US``;
+* **one launch per layer**: at bs 1 and 8 the same backend with its one-launch small steps off
+  (variant ``new-two-launch``: KV store + attention launches): ``new-two-launch / new``;
 * **PDL**: at bs 1 the same backend built with ``ATTNPLUG_DISABLE_PDL=1`` (variant
   ``new-no-pdl``): ``new-no-pdl / new`` held to ``>= 1.15x``, and every layer's output must
   be bit-identical;
@@ -64,6 +66,8 @@ PDL_TARGET, PDL_SIZES = 1.15, (1,)
 #: bs -> FlashInfer attention-only time / the new path's whole step, held at these sizes
 FLASHINFER_TARGETS = {1: 3.0, 8: 3.0, 64: 1.4}
 PREP_BS, PREP_TARGET_US = 128, 30.0
+#: batch sizes where the two-launch path is timed against the one-launch small steps
+TWO_LAUNCH_SIZES = (1, 8)
 SHAPE = StepShape(
     num_layers=NUM_LAYERS,
     num_heads=32,
@@ -100,9 +104,22 @@ def cuda_backend_without_pdl(*args, **kwargs):
     return backend
 
 
+def cuda_backend_two_launch(*args, **kwargs):
+    """The cuda backend with every step on the two-launch path (KV store + attention), the
+    one-launch small-step kernel (``store_attend``) off: what the one launch saves."""
+    from ..backend import CudaBackend
+
+    class TwoLaunchCudaBackend(CudaBackend):
+        one_launch_small_steps = False
+
+    return TwoLaunchCudaBackend(*args, **kwargs)
+
+
 def variants() -> dict:
     """``new``: the cuda backend (``seq_lens_cpu=None``; floors measured); ``before``:
-    ``BeforeBackend``; ``new-no-pdl``: the cuda backend without PDL, at ``PDL_SIZES``."""
+    ``BeforeBackend``; ``new-no-pdl``: the cuda backend without PDL, at ``PDL_SIZES``;
+    ``new-two-launch``: the cuda backend without its one-launch small steps, at
+    ``TWO_LAUNCH_SIZES``."""
     from ..backend import CudaBackend
     from .before import BeforeBackend
 
@@ -110,6 +127,7 @@ def variants() -> dict:
         "new": StepVariant(make=CudaBackend, floor=True),
         "before": StepVariant(make=BeforeBackend, with_cpu=True),
         "new-no-pdl": StepVariant(make=cuda_backend_without_pdl, sizes=PDL_SIZES, vs_baseline=False),
+        "new-two-launch": StepVariant(make=cuda_backend_two_launch, sizes=TWO_LAUNCH_SIZES, vs_baseline=False),
     }
 
 
@@ -131,6 +149,7 @@ def run(ctx: Ctx) -> List[dict]:
 
     sizes = (1, 64) if ctx.quick else (1, 8, 32, 64, 128)
     pdl_ratio = StepRatio(slow="new-no-pdl", fast="new", target=PDL_TARGET, identical=True)
+    one_launch = StepRatio(slow="new-two-launch", fast="new")
     return run_step_benchmark(
         ctx,
         name=NAME,
@@ -145,7 +164,7 @@ def run(ctx: Ctx) -> List[dict]:
         tolerance=1e-2,
         time_targets=TIME_TARGETS_US,
         launch_floor=EmptyKernelFloor(ctx.timer, repeats=3 if ctx.quick else 5),
-        ratios=[pdl_ratio],
+        ratios=[pdl_ratio, one_launch],
         peers=[flashinfer_peer()],
         prep=PrepCheck(variant="new", bs=PREP_BS, target_us=PREP_TARGET_US, iters=300 if ctx.quick else 2000),
     )

@@ -1,0 +1,74 @@
+"""The cuda backend's one-launch small steps (``store_attend``) against its two-launch path
+(KV store + attention), under TRITON_INTERPRET=1 on the CPU: which steps take one launch, and
+that both paths store the same KV and give the same outputs (eager and replayed)."""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("needs the Triton interpreter (set by conftest without a GPU)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from attnplug import ForwardMode  # noqa: E402
+from attnplug_conformance.harness import World, WorldSpec  # noqa: E402
+from attnplug_cuda.backend import CudaBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SPEC = WorldSpec(
+    num_layers=2,
+    swa_layer_ids=(0,),
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    dtype=torch.float16,
+    sliding_window=6,
+    size=512,
+    size_swa=256,
+    max_reqs=6,
+    max_context_len=96,
+    scramble_swa=True,
+)
+
+
+class TwoLaunch(CudaBackend):
+    one_launch_small_steps = False
+
+
+def _decode_twice(backend_cls, *, graphs: bool):
+    world = World(SPEC, backend_cls, DEVICE, seed=3)
+    reqs = world.prefill([40, 9], backend=world.reference_backend)
+    outs, fused = [], []
+    runner = world.graph_runner(max_bs=2, bucket_sizes=[2]) if graphs else None
+    for _ in range(2):
+        step = world.plan(ForwardMode.DECODE, reqs)
+        if runner is None:
+            outs.append(world.run_eager(step).float().clone())
+        else:
+            outs.append(runner.run(step.batch, step.inputs).float().clone())
+        fused.append(world.backend.forward_metadata.fused)
+        world.advance(step)
+    return outs, fused, world.snapshot_kv()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_one_launch_steps_match_the_two_launch_path(graphs):
+    one, fused_one, kv_one = _decode_twice(CudaBackend, graphs=graphs)
+    two, fused_two, kv_two = _decode_twice(TwoLaunch, graphs=graphs)
+    assert fused_one == [True, True] and fused_two == [False, False]
+    for a, b in zip(one, two):
+        assert torch.isfinite(a).all() and (a - b).abs().max().item() <= 2e-3
+    for (k1, v1), (k2, v2) in zip(kv_one, kv_two):  # the one launch stored exactly what the store did
+        assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(v1.nan_to_num(), v2.nan_to_num())
+
+
+def test_larger_steps_take_the_two_launch_path():
+    world = World(SPEC, CudaBackend, DEVICE, seed=1)
+    reqs = world.prefill([12, 7, 20, 5], backend=world.reference_backend)
+    step = world.plan(ForwardMode.DECODE, reqs)  # 4 requests x 2 kv heads: no room for 2 splits each
+    world.run_eager(step)
+    assert world.backend.forward_metadata.fused is False
+    step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=5)  # 5 x 2 rows > MAX_ROWS
+    world.run_eager(step)
+    assert world.backend.forward_metadata.fused is False
