@@ -343,6 +343,29 @@ class CudaBackend(AttentionBackend):
             raise RuntimeError("forward() before init_forward_metadata() for this step")
         return t
 
+    def _attention_args(
+        self, is_swa: bool, batch: ForwardBatch, t: _StepTables, window_table: Optional[torch.Tensor] = None
+    ) -> dict:
+        """The keyword arguments every attention call of one layer takes: full layers read
+        ``req_to_token`` rows, SWA layers the window table (``t.swa_window_table`` unless
+        ``window_table`` is given) from each request's window start."""
+        if is_swa:
+            table = t.swa_window_table if window_table is None else window_table
+            where = dict(table_rows=self._table_rows, table_start=t.window_start, max_kv_len=table.shape[1])
+            window = self.sliding_window
+        else:
+            table, window = self.req_to_token_pool.req_to_token, None
+            where = dict(table_rows=batch.req_pool_indices, table_start=None, max_kv_len=self.max_context_len)
+        return dict(
+            where,
+            table=table,
+            window=window,
+            cu_q_lens=t.cu_q_lens,
+            seq_lens=batch.seq_lens,
+            max_q_len=t.max_q_len,
+            sm_scale=self.scaling,
+        )
+
     def _attend(
         self,
         q: torch.Tensor,
@@ -364,26 +387,7 @@ class CudaBackend(AttentionBackend):
         out = torch.empty_like(q)
         if batch.num_tokens == 0:
             return out
-        if is_swa:
-            table, rows, start = t.swa_window_table, self._table_rows, t.window_start
-            max_kv, window = t.swa_window_table.shape[1], self.sliding_window
-        else:
-            table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
-            max_kv, window = self.max_context_len, None
-        common = dict(
-            cu_q_lens=t.cu_q_lens,
-            seq_lens=batch.seq_lens,
-            table=table,
-            table_rows=rows,
-            table_start=start,
-            max_q_len=t.max_q_len,
-            max_kv_len=max_kv,
-            sm_scale=self.scaling,
-            window=window,
-            softcap=self.logit_softcap,
-            sinks=sinks,
-            pdl=self.pdl,
-        )
+        common = dict(self._attention_args(is_swa, batch, t), softcap=self.logit_softcap, sinks=sinks, pdl=self.pdl)
         if t.fused:
             return self._store_attend(
                 q, k, v, loc, k_cache, v_cache, out, workspace=self._fused_workspace, tickets=self._tickets, **common

@@ -103,26 +103,6 @@ class BeforeBackend(CudaBackend):
         out = torch.empty_like(q)
         if batch.num_tokens == 0:
             return out
-        if is_swa:
-            table = self._window_table(batch, t)
-            rows, start, max_kv, window = self._table_rows, t.window_start, table.shape[1], self.sliding_window
-        else:
-            table, rows, start = self.req_to_token_pool.req_to_token, batch.req_pool_indices, None
-            max_kv, window = self.max_context_len, None
-        return self._paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            out,
-            cu_q_lens=t.cu_q_lens,
-            seq_lens=batch.seq_lens,
-            table=table,
-            table_rows=rows,
-            table_start=start,
-            max_q_len=t.max_q_len,
-            max_kv_len=max_kv,
-            sm_scale=self.scaling,
-            window=window,
-            workspace=t.workspace,
-            pdl=False,
-        )
+        window_table = self._window_table(batch, t) if is_swa else None
+        args = self._attention_args(is_swa, batch, t, window_table)
+        return self._paged_attention(q, k_cache, v_cache, out, workspace=t.workspace, pdl=False, **args)

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -83,7 +83,7 @@ import triton.language as tl
 
 from .interpret import ensure_interpreter_compat
 
-__all__ = ["paged_attention", "plan_attention", "workspace_numel"]
+__all__ = ["paged_attention", "plan_attention", "workspace_numel", "check_attention_args", "log2_scales"]
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -462,7 +462,7 @@ def workspace_numel(max_num_tokens: int, num_heads: int, head_dim: int) -> int:
     return pairs * num_heads * (head_dim + 2)
 
 
-def paged_attention(
+def check_attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -472,29 +472,15 @@ def paged_attention(
     seq_lens: torch.Tensor,
     table: torch.Tensor,
     table_rows: torch.Tensor,
-    table_start: Optional[torch.Tensor] = None,
+    table_start: Optional[torch.Tensor],
     max_q_len: int,
     max_kv_len: int,
-    sm_scale: Optional[float] = None,
-    window: Optional[int] = None,
-    workspace: Optional[torch.Tensor] = None,
-    pdl: bool = False,
-    config: Optional[dict] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Write attention of ``q`` over the paged cache into ``out`` and return ``out``.
-
-    ``softcap``: None, or ``c > 0``: logits ``c * tanh(sm_scale * q.k / c)``. ``sinks``: None,
-    or float32 ``[H]`` on q's device: per-head sink logits (natural log) added to the softmax
-    denominator.
-
-    ``max_q_len`` (>= every request's new tokens) and ``max_kv_len`` (>= every ``seq_len``)
-    are host bounds that size the grid; the kernels read the real lengths on the device.
-    ``workspace``: fp32, >= ``workspace_numel(T, H, D)`` elements, used when the plan splits
-    the KV range; allocated here when None (pass one for graph capture). ``config``
-    overrides keys of ``plan_attention``'s result (tests, benchmarks).
-    """
+    window: Optional[int],
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor],
+) -> Tuple[int, int, int, int, int, int]:
+    """The host checks of every attention wrapper of this package (shapes, dtypes, devices,
+    layouts, the scalar options); returns ``(T, H, D, Hkv, G, bs)``."""
     assert q.dim() == 3 and out.shape == q.shape, f"q {tuple(q.shape)} and out {tuple(out.shape)} must be [T, H, D]"
     T, H, D = q.shape
     assert k_cache.dim() == 3 and k_cache.shape[2] == D, f"k_cache must be [S, Hkv, {D}], got {tuple(k_cache.shape)}"
@@ -540,10 +526,72 @@ def paged_attention(
         )
         assert sinks.device == device, f"sinks is on {sinks.device}, q on {device}"
     assert isinstance(max_q_len, int) and isinstance(max_kv_len, int), "max_q_len / max_kv_len are host ints"
+    return T, H, D, hkv, G, bs
+
+
+def log2_scales(sm_scale: Optional[float], softcap: Optional[float], head_dim: int) -> Tuple[float, float]:
+    """``(qk_scale, softcap_log2)`` the kernels take: base-2 logits are ``qk * qk_scale``, or
+    with a cap ``c`` ``tanh(qk * qk_scale) * softcap_log2`` (``qk_scale = sm_scale / c``,
+    ``softcap_log2 = c * log2(e)``). ``sm_scale`` None: ``1 / sqrt(head_dim)``."""
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    if softcap is not None:
+        return scale / softcap, float(softcap) * _LOG2E
+    return scale * _LOG2E, 0.0
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    table: torch.Tensor,
+    table_rows: torch.Tensor,
+    table_start: Optional[torch.Tensor] = None,
+    max_q_len: int,
+    max_kv_len: int,
+    sm_scale: Optional[float] = None,
+    window: Optional[int] = None,
+    workspace: Optional[torch.Tensor] = None,
+    pdl: bool = False,
+    config: Optional[dict] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Write attention of ``q`` over the paged cache into ``out`` and return ``out``.
+
+    ``softcap``: None, or ``c > 0``: logits ``c * tanh(sm_scale * q.k / c)``. ``sinks``: None,
+    or float32 ``[H]`` on q's device: per-head sink logits (natural log) added to the softmax
+    denominator.
+
+    ``max_q_len`` (>= every request's new tokens) and ``max_kv_len`` (>= every ``seq_len``)
+    are host bounds that size the grid; the kernels read the real lengths on the device.
+    ``workspace``: fp32, >= ``workspace_numel(T, H, D)`` elements, used when the plan splits
+    the KV range; allocated here when None (pass one for graph capture). ``config``
+    overrides keys of ``plan_attention``'s result (tests, benchmarks).
+    """
+    T, H, D, hkv, G, bs = check_attention_args(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_q_lens=cu_q_lens,
+        seq_lens=seq_lens,
+        table=table,
+        table_rows=table_rows,
+        table_start=table_start,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    device = q.device
     if T == 0 or bs == 0:
         return out
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
+    qk_scale, softcap_log2 = log2_scales(sm_scale, softcap, D)
 
     plan = plan_attention(
         num_reqs=bs,
@@ -593,8 +641,8 @@ def paged_attention(
         table_rows,
         table_start if table_start is not None else table_rows,
         sinks if sinks is not None else q,  # not read without HAS_SINKS
-        float(sm_scale) / softcap if softcap is not None else float(sm_scale) * _LOG2E,
-        float(softcap) * _LOG2E if softcap is not None else 0.0,
+        qk_scale,
+        softcap_log2,
         window if window is not None else 0,
         hkv,
         q.stride(0),

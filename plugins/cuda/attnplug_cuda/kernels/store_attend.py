@@ -57,7 +57,6 @@ which program merges: PDL on and off give identical bits.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
@@ -65,11 +64,10 @@ import triton
 import triton.language as tl
 
 from .interpret import ensure_interpreter_compat
-from .paged_attention import _num_sms, _tanh
+from .paged_attention import _num_sms, _tanh, check_attention_args, log2_scales
 
 __all__ = ["store_attend", "plan_store_attend", "store_attend_workspace_numel", "MAX_ROWS"]
 
-_LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: most (token, q head) rows of one request this kernel serves: decode-sized steps (an H200
 #: ran 4-draft steps with 4 q heads per kv head, 16 rows, no faster than store + attention)
@@ -397,42 +395,40 @@ def store_attend(
     mode. ``softcap`` (> 0) and ``sinks`` (float32 ``[H]``) as in ``paged_attention``.
     ``config`` overrides keys of the plan (tests, benchmarks).
     """
-    assert q.dim() == 3 and out.shape == q.shape, f"q {tuple(q.shape)} and out {tuple(out.shape)} must be [T, H, D]"
-    T, H, D = q.shape
-    assert k_cache.dim() == 3 and k_cache.shape[2] == D, f"k_cache must be [S, Hkv, {D}], got {tuple(k_cache.shape)}"
-    assert v_cache.shape == k_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
-    hkv = k_cache.shape[1]
-    assert H % hkv == 0, f"{H} q heads are not a multiple of {hkv} kv heads"
-    G = H // hkv
+    T, H, D, hkv, G, bs = check_attention_args(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_q_lens=cu_q_lens,
+        seq_lens=seq_lens,
+        table=table,
+        table_rows=table_rows,
+        table_start=table_start,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    device = q.device
     assert 1 <= max_q_len * G <= MAX_ROWS, f"max_q_len {max_q_len} x group {G} exceeds {MAX_ROWS} rows"
-    assert q.dtype in _DTYPES, f"q dtype {q.dtype} is not one of {_DTYPES}"
     for name, t in (("k", k), ("v", v)):
         assert t.dim() == 3 and t.shape == (T, hkv, D), f"{name} must be [{T}, {hkv}, {D}], got {tuple(t.shape)}"
         assert t.stride(2) == 1 and (hkv == 1 or t.stride(1) == D), f"{name} needs a contiguous last dim, dense heads"
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        assert t.dtype == q.dtype, f"{name} is {t.dtype}, q is {q.dtype}"
-    assert q.stride(2) == 1 and out.stride(2) == 1, "q and out need a contiguous last dim"
+        assert t.dtype == q.dtype and t.device == device, f"{name} is {t.dtype} on {t.device}, q {q.dtype} on {device}"
     if loc is not None:
-        assert loc.dim() == 1 and loc.shape[0] >= T and loc.dtype in (torch.int32, torch.int64)
-    bs = cu_q_lens.shape[0] - 1
-    assert cu_q_lens.dtype == torch.int32 and bs >= 0, "cu_q_lens must be [bs + 1] int32"
-    assert table.dim() == 2 and table.dtype == torch.int32 and (table.stride(1) == 1 or table.shape[1] <= 1)
-    assert workspace.dtype == torch.float32 and workspace.is_contiguous(), "workspace must be contiguous float32"
-    assert tickets.dtype == torch.int32 and tickets.is_contiguous(), "tickets must be contiguous int32"
-    if sinks is not None:
-        assert sinks.shape == (H,) and sinks.dtype == torch.float32 and sinks.is_contiguous(), (
-            f"sinks must be contiguous float32 [{H}], got {tuple(sinks.shape)} {sinks.dtype}"
+        assert loc.dim() == 1 and loc.shape[0] >= T and loc.dtype in (torch.int32, torch.int64), (
+            f"loc must be [>= {T}] int32/int64, got {tuple(loc.shape)} {loc.dtype}"
+        )
+        assert loc.device == device, f"loc is on {loc.device}, q on {device}"
+    for name, t, dtype in (("workspace", workspace, torch.float32), ("tickets", tickets, torch.int32)):
+        assert t.dtype == dtype and t.is_contiguous() and t.device == device, (
+            f"{name} must be contiguous {dtype} on {device}, got {t.dtype} on {t.device}"
         )
     if T == 0 or bs == 0:
         return out
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    if softcap is not None:
-        assert softcap > 0 and math.isfinite(softcap), f"softcap must be a finite float > 0, got {softcap!r}"
-        qk_scale, softcap_log2 = float(sm_scale) / softcap, softcap * _LOG2E
-    else:
-        qk_scale, softcap_log2 = float(sm_scale) * _LOG2E, 1.0
-    device = q.device
+    qk_scale, softcap_log2 = log2_scales(sm_scale, softcap, D)
     plan = plan_store_attend(
         num_reqs=bs,
         num_kv_heads=hkv,
