@@ -273,6 +273,78 @@ def test_eviction_is_a_noop_inside_the_window():
         alloc.evict_out_of_window(rows, row, 4, 0)
 
 
+def _twin_rows(page_size, lengths, seed):
+    """An allocator with requests of ``lengths`` positions written into their rows (a slot
+    each), in a state built identically for every call with the same arguments."""
+    pool, alloc = make(page_size, size=256, size_swa=128)
+    rows = ReqToTokenPool(6, 96, CPU)
+    gen = torch.Generator().manual_seed(seed)
+    req = []
+    for n in lengths:
+        row = rows.alloc()
+        done = 0
+        while done < n:  # grow in random chunks, continuing each request's last page
+            new = min(n - done, int(torch.randint(1, 6, (1,), generator=gen)))
+            prev = int(rows.req_to_token[row, done - 1]) if done else -1
+            rows.req_to_token[row, done : done + new] = alloc.alloc_extend([done], [done + new], [prev]).to(torch.int32)
+            done += new
+        req.append(row)
+    return pool, alloc, rows, req
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("window", [1, 6, 40])
+def test_evicting_many_rows_equals_evicting_them_one_by_one(page_size, window):
+    lengths = [30, 5, 57, 12]
+    _, one, rows_one, req = _twin_rows(page_size, lengths, seed=page_size * 100 + window)
+    _, many, rows_many, _ = _twin_rows(page_size, lengths, seed=page_size * 100 + window)
+    for seq in (lengths, [n + 1 for n in lengths]):  # the second round: rows hold one more position
+        if seq is not lengths:
+            for a, r in ((one, rows_one), (many, rows_many)):
+                for row, n in zip(req, lengths):
+                    prev = int(r.req_to_token[row, n - 1])
+                    r.req_to_token[row, n] = int(a.alloc_decode([n + 1], [prev])[0])
+        freed = sum(one.evict_out_of_window(rows_one, row, n, window) for row, n in zip(req, seq))
+        assert many.evict_out_of_window_many(rows_many, req, seq, window) == freed
+        assert [rows_many.swa_evicted_len(r) for r in req] == [rows_one.swa_evicted_len(r) for r in req]
+        assert torch.equal(many.pool.full_to_swa_index_mapping, one.pool.full_to_swa_index_mapping)
+        assert many.swa_available_size() == one.swa_available_size()
+        many.check_invariants()
+    assert many.evict_out_of_window_many(rows_many, [], [], window) == 0
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("row twice", "twice"),
+        ("row not in use", "not in use"),
+        ("beyond the row", "beyond what row"),
+        ("lengths differ", "seq_lens"),
+        ("bad window", "window"),
+    ],
+)
+def test_bad_evict_many_raises_and_changes_nothing(case, needle):
+    from memory_snapshot import assert_same
+    from memory_snapshot import snapshot as full_snapshot
+
+    _, alloc, rows, req = _twin_rows(1, [30, 20, 25], seed=3)
+    seq, window = [30, 20, 25], 4
+    if case == "row twice":
+        req, seq = req + [req[0]], seq + [30]
+    elif case == "row not in use":
+        req, seq = req + [5], seq + [3]
+    elif case == "beyond the row":
+        seq = [30, 20, 26]  # row 3 holds 25 positions: the other rows must not be evicted either
+    elif case == "lengths differ":
+        seq = seq[:2]
+    else:
+        window = 0
+    before = full_snapshot(alloc, alloc.pool, rows)
+    with pytest.raises(KVSlotError, match=needle):
+        alloc.evict_out_of_window_many(rows, req, seq, window)
+    assert_same(before, full_snapshot(alloc, alloc.pool, rows))
+
+
 # ---------------------------------------------------------------------- the checker
 def test_check_invariants_catches_corruption():
     pool, alloc = make(1)

@@ -304,6 +304,75 @@ class SWATokenAllocator:
         if limit <= frontier and not validation_enabled():
             return 0
         held = rows.req_to_token[req_row, frontier:seq_len].to("cpu", torch.int64)  # positions to check
+        self._check_held(req_row, frontier, seq_len, held)
+        if limit <= frontier:
+            return 0
+        self.free_swa(held[: limit - frontier : ps])  # one slot per page
+        rows.set_swa_evicted_len(req_row, limit)
+        return limit - frontier
+
+    def evict_out_of_window_many(
+        self, rows: ReqToTokenPool, req_rows: HostInts, seq_lens: HostInts, window: int
+    ) -> int:
+        """``evict_out_of_window`` for several request rows at once (a decode step's batch),
+        with ONE read of the device rows instead of one per row: frees the same SWA slots and
+        moves the same frontiers as calling it row by row, and returns the total freed.
+        ``req_rows`` and ``seq_lens`` are host ints of equal length, each row once. Every row
+        is checked before anything changes: a refused call (a row not in use, a row twice, a
+        ``seq_len`` beyond what its row holds) raises ``KVSlotError`` naming the row, nothing
+        changed."""
+        if not isinstance(rows, ReqToTokenPool):
+            raise TypeError(f"evict_out_of_window_many: rows must be a ReqToTokenPool, got {type(rows).__name__}")
+        window = host_int(window, "evict_out_of_window_many: window", lo=1)
+        req = _host_int64(req_rows, "evict_out_of_window_many: req_rows").tolist()
+        seqs = _host_int64(seq_lens, "evict_out_of_window_many: seq_lens").tolist()
+        if len(req) != len(seqs):
+            raise KVSlotError(f"evict_out_of_window_many: {len(req)} req_rows but {len(seqs)} seq_lens")
+        if len(set(req)) != len(req):
+            raise KVSlotError(f"evict_out_of_window_many: req_rows name a row twice: {req}")
+        ps, check_all = self.page_size, validation_enabled()
+        plans = []  # (row, frontier, limit, seq_len) of the rows to read
+        for row, seq_len in zip(req, seqs):
+            seq_len = host_int(
+                seq_len, f"evict_out_of_window_many: seq_len of row {row}", lo=0, hi=rows.max_context_len
+            )
+            frontier = rows.swa_evicted_len(row)
+            limit = max(0, seq_len - window + 1) // ps * ps
+            if limit > frontier or check_all:
+                plans.append((row, frontier, limit, seq_len))
+        if not plans:
+            return 0
+        # One read of the rows' spans; every check and every slot to free as whole-batch ops.
+        row_t, frontier_t, limit_t, seq_t = (torch.tensor(col, dtype=torch.int64) for col in zip(*plans))
+        lo = int(frontier_t.min())
+        hi = max(int(seq_t.max()), lo)
+        index = row_t.to(rows.req_to_token.device)
+        held_all = rows.req_to_token[index, lo:hi].to("cpu", torch.int64)  # the one device read
+        col = torch.arange(lo, hi, dtype=torch.int64)[None, :]
+        span = (col >= frontier_t[:, None]) & (col < seq_t[:, None])  # positions each row must hold
+        live = (held_all >= ps) & (held_all < self.pool.size + ps)
+        live[live.clone()] = self._full.used[held_all[live] // ps]
+        bad_rows = (span & ~live).any(dim=1)
+        if bool(bad_rows.any()):
+            i = int(bad_rows.to(torch.int8).argmax())
+            row, frontier, _, seq_len = plans[i]
+            self._check_held(row, frontier, seq_len, held_all[i, frontier - lo : seq_len - lo])  # raises
+        # positions [frontier, limit) leave the window; frontier and limit are page multiples
+        gone = (col >= frontier_t[:, None]) & (col < limit_t[:, None]) & (col % ps == 0)
+        if not bool(gone.any()):
+            return 0
+        self.free_swa(held_all[gone])  # one slot per page; checks every slot before changing anything
+        total = 0
+        for row, frontier, limit, _ in plans:
+            if limit > frontier:
+                rows.set_swa_evicted_len(row, limit)
+                total += limit - frontier
+        return total
+
+    def _check_held(self, req_row: int, frontier: int, seq_len: int, held: torch.Tensor) -> None:
+        """Every position in ``[frontier, seq_len)`` of the row (``held``: its entries, host
+        int64) must hold a live full slot, else ``KVSlotError`` naming the row's length."""
+        ps = self.page_size
         live = (held >= ps) & (held < self.pool.size + ps)
         live[live.clone()] = self._full.used[held[live] // ps]
         if not bool(live.all()):
@@ -313,11 +382,6 @@ class SWATokenAllocator:
                 f"{length} positions (req_to_token[{req_row}, {length}] = {int(held[length - frontier])} "
                 "is not a live full slot); evicting for it would free SWA slots the request still needs"
             )
-        if limit <= frontier:
-            return 0
-        self.free_swa(held[: limit - frontier : ps])  # one slot per page
-        rows.set_swa_evicted_len(req_row, limit)
-        return limit - frontier
 
     # ------------------------------------------------------------------ checking
     def check_invariants(self) -> None:

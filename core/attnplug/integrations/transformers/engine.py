@@ -308,12 +308,13 @@ class Engine:
         )
 
     def _advance(self, reqs: Sequence[_Request], new: Sequence[int]) -> None:
-        """The step's tokens are stored: move each request on and evict out-of-window SWA slots."""
+        """The step's tokens are stored: move each request on and evict out-of-window SWA
+        slots (one call for the whole batch: one read of the device rows)."""
         spec, alloc, rows = self.runner.spec, self.runner.allocator, self.runner.req_to_token_pool
         for r, n in zip(reqs, new):
             r.seq_len += n
-            if spec.swa_layer_ids:
-                alloc.evict_out_of_window(rows, r.row, r.seq_len, spec.sliding_window)
+        if spec.swa_layer_ids and reqs:
+            alloc.evict_out_of_window_many(rows, [r.row for r in reqs], [r.seq_len for r in reqs], spec.sliding_window)
 
     def _extend_step(self, prefill: Sequence[_Request]) -> None:
         budget, reqs, new = self.max_prefill_tokens, [], []
@@ -347,20 +348,48 @@ class Engine:
         self._advance(reqs, new)
 
     def _decode_step(self, reqs: Sequence[_Request]) -> int:
-        """One DECODE step of ``reqs``; returns 1 when a captured graph ran it, else 0."""
-        dev = self.runner.pool.device
-        new = [1] * len(reqs)
-        loc = self._allocate(ForwardMode.DECODE, reqs, new)
-        positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64, device=dev)
-        ids = torch.tensor([r.out[-1] for r in reqs], dtype=torch.int64, device=dev)
-        batch = self._batch(ForwardMode.DECODE, reqs, new, loc, positions)
+        """One DECODE step of ``reqs``; returns 1 when a captured graph ran it, else 0.
+
+        Host work is batched: one slot allocation, ONE host-to-device copy for the step's
+        request rows, lengths, positions and token ids (from pinned memory, asynchronous, off
+        the host), one indexed write of the new slots into the request table, one eviction
+        call; the only read back is the sampled tokens."""
+        runner = self.runner
+        dev = runner.pool.device
+        n = len(reqs)
+        loc = runner.allocator.alloc_decode([r.seq_len + 1 for r in reqs], [r.last_loc for r in reqs])
+        host = torch.tensor(
+            [
+                [r.row for r in reqs],
+                [r.seq_len + 1 for r in reqs],
+                [r.seq_len for r in reqs],  # the new token's position
+                [r.out[-1] for r in reqs],
+            ],
+            dtype=torch.int64,
+        )
+        if dev.type != "cpu":
+            host = host.pin_memory()
+        step = host.to(dev, non_blocking=True)
+        rows_t, seq_t, positions, ids = step[0], step[1], step[2], step[3]
+        runner.req_to_token_pool.req_to_token[rows_t, positions] = loc.to(torch.int32)
+        for r, slot in zip(reqs, loc.tolist()):
+            r.slots.append(slot)
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=n,
+            req_pool_indices=rows_t,
+            seq_lens=seq_t,
+            out_cache_loc=loc,
+            positions=positions,
+            seq_lens_cpu=host[1].tolist() if runner.backend.needs_cpu_seq_lens else None,
+        )
         replayed = 0
         if self.graphs is not None:
-            logits = self.runner.forward_graph(batch, ids, positions)
+            logits = runner.forward_graph(batch, ids, positions)
             replayed = int(self.graphs.bucket_for(batch) is not None)
         else:
-            logits = self.runner.forward(batch, ids, positions)
+            logits = runner.forward(batch, ids, positions)
         for r, token in zip(reqs, logits.argmax(dim=-1).tolist()):
             r.out.append(token)
-        self._advance(reqs, new)
+        self._advance(reqs, [1] * n)
         return replayed
