@@ -13,8 +13,9 @@ Method, per batch size (1 and 32; ``--quick``: 1 and 4):
 * the same prompts for both paths: ``bs`` prompts of ``PROMPT_LEN`` random token ids (seed 0);
   both generate greedily exactly ``n`` new tokens (no end-of-sequence token);
 * attnplug: ``attnplug.integrations.transformers.Engine(model, backend_cls, max_batch_size=bs,
-  max_context_len=...)`` with its default graph use (graphs where the backend has them),
-  ``Engine.generate(prompts, n)``;
+  max_context_len=..., compile=True)`` with its default graph use (graphs where the backend
+  has them, replaying the model compiled around the ``attnplug::attention`` op; when compiling
+  fails, the same run uncompiled, the row's ``notes`` saying why), ``Engine.generate(prompts, n)``;
 * transformers: the same weights with ``attn_implementation="sdpa"``,
   ``model.generate(input_ids, max_new_tokens=n, do_sample=False, cache_implementation="static")``:
   a static KV cache, whose decode step transformers compiles with ``torch.compile`` on an
@@ -189,21 +190,38 @@ def _agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
 
 
 def _ours(ctx: Ctx, model, prompts: List[List[int]], prompt_len: int, n_new: int):
-    """The attnplug Engine on ``prompts``: ``(warm-up tokens, t(1), t(n), last run figures)``."""
+    """The attnplug Engine on ``prompts``: ``(warm-up tokens, t(1), t(n), last run figures,
+    path, note)``. Where its DECODE steps replay graphs, the model is compiled around the
+    attention op (``Engine(compile=True)``); when compiling fails, the same run uncompiled,
+    the note saying why."""
     from attnplug.integrations.transformers import Engine
 
-    engine = Engine(
-        model,
-        ctx.backend_cls,
-        max_batch_size=len(prompts),
-        max_context_len=-(-(prompt_len + n_new + 16) // 64) * 64,
-        progress=False,
-    )
-    tokens = engine.generate(prompts, n_new)
+    def engine_for(compile_model: bool):
+        return Engine(
+            model,
+            ctx.backend_cls,
+            max_batch_size=len(prompts),
+            max_context_len=-(-(prompt_len + n_new + 16) // 64) * 64,
+            progress=False,
+            compile=compile_model,
+        )
+
+    note = ""
+    try:
+        engine = engine_for(True)
+        tokens = engine.generate(prompts, n_new)
+    except Exception as exc:
+        note = f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        engine = engine_for(False)
+        tokens = engine.generate(prompts, n_new)
+    if engine.graphs is None:
+        path = "eager steps (no device graphs)"
+    else:
+        path = "graphs of the compiled model" if engine.runner.compile else "graphs of the eager model"
     repeats = _QUICK["repeats"] if ctx.quick else REPEATS
     t1 = _timed(ctx, lambda: engine.generate(prompts, 1), repeats)
     tn = _timed(ctx, lambda: engine.generate(prompts, n_new), repeats)
-    return tokens, t1, tn, dict(engine.last_run)
+    return tokens, t1, tn, dict(engine.last_run), path, note
 
 
 def _theirs(ctx: Ctx, model, prompts: torch.Tensor, n_new: int):
@@ -242,7 +260,9 @@ def run(ctx: Ctx) -> List[dict]:
         ctx.log(f"{NAME}: bs={bs}: transformers (warm-up compiles where transformers compiles)")
         hf_tokens, hf_t1, hf_tn, hf = _theirs(ctx, hf_model, prompts, n_new)
         ctx.log(f"{NAME}: bs={bs}: attnplug Engine on {backend_name}")
-        our_tokens, our_t1, our_tn, last = _ours(ctx, ours_model, prompts.tolist(), prompt_len, n_new)
+        our_tokens, our_t1, our_tn, last, our_path, our_note = _ours(
+            ctx, ours_model, prompts.tolist(), prompt_len, n_new
+        )
         graph_steps, decode_steps = last.get("graph_steps", 0), last.get("steps", {}).get("DECODE", 0)
         steps = n_new - 1
         hf_tps = bs * steps / max(hf_tn - hf_t1, 1e-9)
@@ -257,9 +277,11 @@ def run(ctx: Ctx) -> List[dict]:
                 "decode tokens/s",
                 our_tps,
                 "tok/s",
-                detail=f"Engine on {backend_name}, {graph_steps}/{decode_steps} decode steps replayed a graph",
+                detail=f"Engine on {backend_name}, {our_path}, {graph_steps}/{decode_steps} decode steps replayed",
+                notes=our_note,
                 key=True,
                 variant="attnplug",
+                path=our_path,
                 graph_steps=graph_steps,
                 decode_steps=decode_steps,
                 t1_s=our_t1,

@@ -11,6 +11,12 @@ binds the step (``bind_step``); calling the model outside one raises ``NoStepErr
 No attention mask is built (``transformers`` builds none for an implementation without a mask
 function): which keys each token sees follows from the step's ``ForwardBatch`` and the
 backend's sliding window.
+
+Under ``torch.compile`` the layer's attention is the custom op ``attnplug::attention`` (an
+opaque call for the compiler: it runs the bound step's backend, which stores k/v in the pools
+it owns and attends), so the rest of the model compiles around it. The per-call checks of the
+eager path (module, scaling, window, soft-cap, sinks against the spec) are then not traced:
+``ModelRunner`` checked every module at load, and the op checks the bound step and layer.
 """
 
 from __future__ import annotations
@@ -27,7 +33,15 @@ from ...batch import ForwardBatch
 from .errors import require_transformers
 from .spec import ModelSpec
 
-__all__ = ["IMPLEMENTATION", "NoStepError", "BoundStep", "register", "bind_step", "attnplug_attention_forward"]
+__all__ = [
+    "IMPLEMENTATION",
+    "NoStepError",
+    "BoundStep",
+    "register",
+    "bind_step",
+    "attnplug_attention_forward",
+    "attention_op",
+]
 
 #: the name ``attn_implementation`` takes
 IMPLEMENTATION = "attnplug"
@@ -104,6 +118,12 @@ def attnplug_attention_forward(
     ``sliding_window``, ``softcap``, ``s_aux`` = the sinks) must agree with the model's spec
     (``ValueError`` otherwise); ``attention_mask`` must be None and ``dropout`` 0.
     """
+    if torch.compiler.is_compiling():
+        if attention_mask is not None or dropout:
+            raise ValueError("attnplug takes no attention_mask and no dropout")
+        sinks = None if s_aux is None else s_aux.detach().float()
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        return attention_op(q, k, v, module.layer_idx, sinks).unsqueeze(0), None
     step = _current_step()
     spec = step.spec
     layer = getattr(module, "layer_idx", None)
@@ -141,6 +161,26 @@ def attnplug_attention_forward(
         extra["sinks"] = s_aux.detach().float()
     out = step.backend.forward(q, k, v, layer, step.batch, **extra)  # [T, H, D]
     return out.unsqueeze(0), None
+
+
+@torch.library.custom_op("attnplug::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sinks: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """One layer's attention through the bound step's backend: ``q`` ``[T, H, D]``, ``k`` /
+    ``v`` ``[T, Hkv, D]`` (any strides), ``sinks`` float32 ``[H]`` or None; returns a new
+    ``[T, H, D]`` tensor. The backend also stores k/v in the KV pools (state the op owns: the
+    model's data flow orders the layers' calls)."""
+    step = _current_step()
+    if not 0 <= layer < len(step.modules):
+        raise NoStepError(f"attnplug::attention: layer {layer} is not a layer of the bound model")
+    extra = {} if sinks is None else {"sinks": sinks}
+    return step.backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), layer, step.batch, **extra)
+
+
+@attention_op.register_fake
+def _attention_op_fake(q, k, v, layer, sinks):
+    return q.new_empty(q.shape)
 
 
 def register() -> None:

@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="replay decode steps through device graphs (default: when the backend has them)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the model with torch.compile for the decode graphs (attention stays attnplug's op)",
+    )
 
 
 def _parse_tokens(text: str) -> List[int]:
@@ -182,6 +187,7 @@ def run_command(args: argparse.Namespace) -> int:
             max_batch_size=len(prompts),
             max_context_len=longest,
             cuda_graphs=args.graphs,
+            compile=args.compile,
         )
         outputs = engine.generate(prompts, args.max_new_tokens, eos_token_id=eos)
     except (MissingDependencyError, UnsupportedModelError, SelectionError, ValueError, OSError) as exc:

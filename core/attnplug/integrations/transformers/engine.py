@@ -84,7 +84,8 @@ class Engine:
     ``cuda_graphs``: None uses a ``GraphRunner`` for DECODE steps when the backend can capture
     them into real device graphs, True always (the eager stand-in where the device has no
     graphs), False never. ``progress``: None shows a progress line on stderr only on a
-    terminal and for runs longer than a second, True always, False never.
+    terminal and for runs longer than a second, True always, False never. ``compile``: as in
+    ``ModelRunner`` (the DECODE graphs replay a ``torch.compile``-d model).
 
     Attributes: ``runner`` (the ``ModelRunner``), ``graphs`` (its ``GraphRunner`` or None),
     ``last_run`` (figures of the last ``generate``: steps per mode, graph steps, tokens,
@@ -104,6 +105,7 @@ class Engine:
         full_pool_tokens: Optional[int] = None,
         swa_pool_tokens: Optional[int] = None,
         progress: Optional[bool] = None,
+        compile: Union[bool, str] = False,
     ) -> None:
         check_sizes(
             max_batch_size=max_batch_size,
@@ -128,6 +130,7 @@ class Engine:
             page_size=page_size,
             full_pool_tokens=full if full_pool_tokens is None else full_pool_tokens,
             swa_pool_tokens=swa if swa_pool_tokens is None else swa_pool_tokens,
+            compile=compile,
         )
         self.max_prefill_tokens = max_prefill_tokens
         self.progress = progress

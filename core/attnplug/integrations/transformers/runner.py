@@ -17,7 +17,7 @@ stand-in otherwise.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -88,9 +88,15 @@ class ModelRunner:
     window, logit soft-capping, sinks, the model's dtype, head dim or ``page_size``), a backend
     of another device type.
 
+    ``compile``: False runs the model eagerly everywhere; True (inductor) or a ``torch.compile``
+    backend name compiles the model for the steps the ``GraphRunner`` captures, with each
+    layer's attention as the opaque op ``attnplug::attention`` (EXTEND and other eager steps
+    stay eager: their token counts vary). The compilation happens in the capture's warm-up,
+    never inside a capture; the graph then replays the compiled kernels.
+
     Attributes: ``model``, ``spec``, ``backend`` (the instance), ``pool``,
     ``req_to_token_pool``, ``allocator``, ``device``, ``dtype``, ``vocab_size``, ``graphs``
-    (the ``GraphRunner`` once ``enable_graphs`` ran, else None).
+    (the ``GraphRunner`` once ``enable_graphs`` ran, else None), ``compile``.
     """
 
     def __init__(
@@ -103,8 +109,11 @@ class ModelRunner:
         page_size: int = 1,
         swa_pool_tokens: Optional[int] = None,
         full_pool_tokens: Optional[int] = None,
+        compile: Union[bool, str] = False,
     ) -> None:
         check_sizes(max_batch_size=max_batch_size, max_context_len=max_context_len, page_size=page_size)
+        if not isinstance(compile, (bool, str)) or compile == "":
+            raise ValueError(f"compile must be a bool or a torch.compile backend name, got {compile!r}")
         register()
         self.spec = model_spec(model.config)
         self.device, self.dtype = _model_device_dtype(model)
@@ -160,6 +169,10 @@ class ModelRunner:
         self.max_batch_size = max_batch_size
         self.max_context_len = max_context_len
         self.graphs: Optional[GraphRunner] = None
+        self.compile = compile
+        self._graph_model = self.model
+        if compile:
+            self._graph_model = torch.compile(self.model, backend="inductor" if compile is True else compile)
 
     # ------------------------------------------------------------------ eager steps
     def forward(
@@ -198,12 +211,14 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         logits_indices: Optional[torch.Tensor] = None,
+        model=None,
     ) -> torch.Tensor:
-        """The model over the step's tokens, with the step bound (metadata already prepared)."""
+        """The model (default ``self.model``) over the step's tokens, with the step bound
+        (metadata already prepared)."""
         step = BoundStep(self.backend, batch, self.spec, self.modules)
         keep = 0 if logits_indices is None else logits_indices
         with torch.no_grad(), bind_step(step):
-            out = self.model(
+            out = (self.model if model is None else model)(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep
             )
         return out.logits[0].float()
@@ -233,7 +248,7 @@ class ModelRunner:
         return self.graphs
 
     def _graph_step(self, batch: ForwardBatch, inputs) -> torch.Tensor:
-        return self._run_model(batch, inputs["input_ids"], batch.positions)
+        return self._run_model(batch, inputs["input_ids"], batch.positions, model=self._graph_model)
 
     def forward_graph(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run one step through the ``GraphRunner`` (``enable_graphs`` first): replayed when a
