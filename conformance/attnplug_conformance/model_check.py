@@ -51,6 +51,7 @@ __all__ = [
     "MODEL_ARCHS",
     "ModelCase",
     "MODEL_CASES",
+    "default_dtype",
     "FP32_TOL",
     "HALF_MIN_COSINE",
     "HALF_REL_FACTOR",
@@ -133,6 +134,15 @@ def _cases() -> List[ModelCase]:
 
 
 MODEL_CASES: Tuple[ModelCase, ...] = tuple(_cases())
+
+
+def default_dtype(caps) -> torch.dtype:
+    """The dtype the default run checks every architecture in: float32 where the backend
+    declares it (the strict bound), else bfloat16, else its first declared dtype."""
+    for dtype in (torch.float32, torch.bfloat16):
+        if dtype in caps.dtypes:
+            return dtype
+    return caps.dtypes[0]
 
 
 def transformers_missing() -> Optional[str]:

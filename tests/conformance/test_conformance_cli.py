@@ -57,12 +57,16 @@ def test_reference_passes_writes_report_and_prints_matrix(tmp_path):
         assert set(t) == {"nodeid", "check", "outcome", "duration", "message"}
         assert t["outcome"] in ("passed", "skipped") and t["duration"] >= 0
     skipped = {t["check"]: t["message"] for t in tests if t["outcome"] == "skipped"}
+    model_skips = [t for t in tests if t["check"] == "check_matches_transformers" and t["outcome"] == "skipped"]
+    # the model check: every architecture in float32 by default, the other dtypes when thorough
+    assert len(model_skips) == 10 and all("--attnplug-thorough" in t["message"] for t in model_skips)
+    skipped.pop("check_matches_transformers")
     assert "capabilities().pdl is False" in skipped.pop("check_pdl_on_off_identical")
     assert "--attnplug-thorough" in skipped.pop("check_attention_matches_reference")  # the thorough profile only
     # a backend that declares both features has no refusal to check
     assert "nothing to refuse" in skipped.pop("check_softcap_and_sinks")
     assert not skipped
-    assert backend["summary"]["passed"] == len(tests) - 3
+    assert backend["summary"]["passed"] == len(tests) - 3 - len(model_skips)
     # the registered backends that were not requested are listed with their reason
     assert {n["name"] for n in data["not_run"]} >= {"cuda"}
     assert all(n["reason"] for n in data["not_run"])

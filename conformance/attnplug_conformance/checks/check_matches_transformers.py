@@ -16,24 +16,32 @@ model's own soft-capping and sinks, and errors compounding over layers.
 
 Skipped when transformers is not installed, and per case only from the backend's declared
 ``capabilities()`` (dtype, head dim 64, page size, SWA, logit soft-capping, attention sinks).
+By default every architecture runs in the backend's first dtype (float32 where declared, else
+bfloat16, else its first); the other dtypes run with ``--attnplug-thorough``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from attnplug_conformance.model_check import MODEL_CASES, run_model_case, transformers_missing
+from attnplug_conformance.model_check import MODEL_CASES, default_dtype, run_model_case, transformers_missing
 from attnplug_conformance.rules import MODEL
-from attnplug_conformance.support import conformance_check
+from attnplug_conformance.support import conformance_check, require
 
 __all__ = ["check_matches_transformers"]
 
 
 @conformance_check(rule=MODEL)
 @pytest.mark.parametrize("model_case", MODEL_CASES, ids=[c.id for c in MODEL_CASES])
-def check_matches_transformers(model_case, attnplug_backend_cls, attnplug_device, attnplug_capabilities):
+def check_matches_transformers(
+    model_case, attnplug_backend_cls, attnplug_device, attnplug_capabilities, attnplug_thorough
+):
     """Every new token's logits within the dtype's bound of transformers eager."""
     why = transformers_missing()
     if why is not None:
         pytest.skip(why)
+    if model_case.dtype in attnplug_capabilities.dtypes and model_case.dtype != default_dtype(attnplug_capabilities):
+        require(
+            attnplug_thorough, "another dtype of an architecture the default run covers: runs with --attnplug-thorough"
+        )
     run_model_case(model_case, attnplug_backend_cls, attnplug_device, attnplug_capabilities)
