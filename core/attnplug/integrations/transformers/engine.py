@@ -39,6 +39,15 @@ from .spec import model_spec
 __all__ = ["Engine"]
 
 
+def _split(values: List[int], sizes: Sequence[int]) -> List[List[int]]:
+    """``values`` cut into consecutive pieces of ``sizes``."""
+    out, offset = [], 0
+    for n in sizes:
+        out.append(values[offset : offset + n])
+        offset += n
+    return out
+
+
 @dataclass
 class _Request:
     """One prompt being generated (host state)."""
@@ -278,37 +287,16 @@ class Engine:
             r.row = 0
 
     # ------------------------------------------------------------------ steps
-    def _allocate(self, mode: ForwardMode, reqs: Sequence[_Request], new: Sequence[int]) -> torch.Tensor:
-        alloc, rows = self.runner.allocator, self.runner.req_to_token_pool
-        seq = [r.seq_len + n for r, n in zip(reqs, new)]
-        last = [r.last_loc for r in reqs]
-        if mode is ForwardMode.DECODE:
-            loc = alloc.alloc_decode(seq, last)
-        else:
-            loc = alloc.alloc_extend([r.seq_len for r in reqs], seq, last)
-        host = loc.tolist()
-        offset = 0
-        for r, n in zip(reqs, new):
-            rows.req_to_token[r.row, r.seq_len : r.seq_len + n] = loc[offset : offset + n].to(torch.int32)
-            r.slots += host[offset : offset + n]
-            offset += n
-        return loc
-
-    def _batch(self, mode: ForwardMode, reqs: Sequence[_Request], new: Sequence[int], loc, positions) -> ForwardBatch:
+    def _upload(self, *columns: Sequence[int]) -> List[torch.Tensor]:
+        """Host int lists as int64 device tensors through ONE host-to-device copy (from pinned
+        memory off the host: asynchronous, never waiting for the device queue); returns one
+        view per list."""
+        host = torch.tensor([v for col in columns for v in col], dtype=torch.int64)
         dev = self.runner.pool.device
-        seq = [r.seq_len + n for r, n in zip(reqs, new)]
-        extend = mode is ForwardMode.EXTEND
-        return ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(reqs),
-            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
-            out_cache_loc=loc,
-            positions=positions,
-            seq_lens_cpu=seq if self.runner.backend.needs_cpu_seq_lens else None,
-            extend_seq_lens=torch.tensor(new, dtype=torch.int64, device=dev) if extend else None,
-            extend_seq_lens_cpu=list(new) if extend else None,
-        )
+        if dev.type != "cpu":
+            host = host.pin_memory()
+        flat = host.to(dev, non_blocking=True)
+        return list(flat.split([len(col) for col in columns]))
 
     def _advance(self, reqs: Sequence[_Request], new: Sequence[int]) -> None:
         """The step's tokens are stored: move each request on and evict out-of-window SWA
@@ -328,24 +316,36 @@ class Engine:
             reqs.append(r)
             new.append(n)
             budget -= n
-        dev = self.runner.pool.device
+        runner = self.runner
+        seq = [r.seq_len + n for r, n in zip(reqs, new)]
         ids = [t for r, n in zip(reqs, new) for t in r.prompt[r.seq_len : r.seq_len + n]]
         pos = [p for r, n in zip(reqs, new) for p in range(r.seq_len, r.seq_len + n)]
+        rows = [r.row for r, n in zip(reqs, new) for _ in range(n)]
         ends, done, offset = [], [], 0
         for r, n in zip(reqs, new):
             offset += n
             if r.seq_len + n == len(r.prompt):  # the prompt is complete: its last token's logits
                 ends.append(offset - 1)
                 done.append(r)
-        loc = self._allocate(ForwardMode.EXTEND, reqs, new)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        batch = self._batch(ForwardMode.EXTEND, reqs, new, loc, positions)
-        logits = self.runner.forward(
-            batch,
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions,
-            logits_indices=torch.tensor(ends, dtype=torch.int64, device=dev),
+        loc = runner.allocator.alloc_extend([r.seq_len for r in reqs], seq, [r.last_loc for r in reqs])
+        ids_t, positions, token_rows, rows_t, seq_t, new_t, ends_t = self._upload(
+            ids, pos, rows, [r.row for r in reqs], seq, new, ends
         )
+        runner.req_to_token_pool.req_to_token[token_rows, positions] = loc.to(torch.int32)
+        for r, slots in zip(reqs, _split(loc.tolist(), new)):
+            r.slots += slots
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(reqs),
+            req_pool_indices=rows_t,
+            seq_lens=seq_t,
+            out_cache_loc=loc,
+            positions=positions,
+            seq_lens_cpu=seq if runner.backend.needs_cpu_seq_lens else None,
+            extend_seq_lens=new_t,
+            extend_seq_lens_cpu=list(new),
+        )
+        logits = runner.forward(batch, ids_t, positions, logits_indices=ends_t)
         for r, token in zip(done, logits.argmax(dim=-1).tolist()):
             r.out.append(token)
         self._advance(reqs, new)
@@ -358,22 +358,12 @@ class Engine:
         the host), one indexed write of the new slots into the request table, one eviction
         call; the only read back is the sampled tokens."""
         runner = self.runner
-        dev = runner.pool.device
         n = len(reqs)
-        loc = runner.allocator.alloc_decode([r.seq_len + 1 for r in reqs], [r.last_loc for r in reqs])
-        host = torch.tensor(
-            [
-                [r.row for r in reqs],
-                [r.seq_len + 1 for r in reqs],
-                [r.seq_len for r in reqs],  # the new token's position
-                [r.out[-1] for r in reqs],
-            ],
-            dtype=torch.int64,
+        seq = [r.seq_len + 1 for r in reqs]
+        loc = runner.allocator.alloc_decode(seq, [r.last_loc for r in reqs])
+        rows_t, seq_t, positions, ids = self._upload(
+            [r.row for r in reqs], seq, [r.seq_len for r in reqs], [r.out[-1] for r in reqs]
         )
-        if dev.type != "cpu":
-            host = host.pin_memory()
-        step = host.to(dev, non_blocking=True)
-        rows_t, seq_t, positions, ids = step[0], step[1], step[2], step[3]
         runner.req_to_token_pool.req_to_token[rows_t, positions] = loc.to(torch.int32)
         for r, slot in zip(reqs, loc.tolist()):
             r.slots.append(slot)
@@ -384,7 +374,7 @@ class Engine:
             seq_lens=seq_t,
             out_cache_loc=loc,
             positions=positions,
-            seq_lens_cpu=host[1].tolist() if runner.backend.needs_cpu_seq_lens else None,
+            seq_lens_cpu=seq if runner.backend.needs_cpu_seq_lens else None,
         )
         replayed = 0
         if self.graphs is not None:
