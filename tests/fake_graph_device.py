@@ -10,7 +10,9 @@ It mirrors what ``StreamGraph`` uses of a PyTorch device module and how the real
   ``fail_next_launch`` set, or a captured graph destroyed (``__del__``) during a capture.
   Ending an invalidated capture raises; with ``ends_pool_on_failure=False`` (some PyTorch
   versions) the allocator is then left recording and the capture's pool reference is kept.
-* ``allocator`` counts pool references and records which pools are being recorded into;
+* ``allocator`` counts pool references and records which pools are being recorded into; a
+  pool whose last reference is released is refused for later captures (as PyTorch's caching
+  allocator asserts while it still holds the pool's blocks);
   ``pool_ops()`` gives ``StreamGraph`` its end/release calls.
 """
 
@@ -30,8 +32,11 @@ class FakeAllocator:
     def __init__(self) -> None:
         self.recording: Dict[tuple, object] = {}
         self.refs: Counter = Counter()
+        self.released: set = set()  # pools whose last reference went: never captured into again
 
     def begin(self, pool: tuple, graph: object) -> None:
+        if pool in self.released:  # as PyTorch's create_or_incref_pool while it frees the pool
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (CUDACachingAllocator)")
         self.refs[pool] += 1
         if pool in self.recording:
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
@@ -46,6 +51,8 @@ class FakeAllocator:
         self.refs[pool] -= 1
         if self.refs[pool] < 0:
             raise AssertionError(f"pool {pool} released more often than acquired")
+        if self.refs[pool] == 0:
+            self.released.add(pool)
 
 
 class FakeDevice:

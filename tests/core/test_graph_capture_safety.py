@@ -305,3 +305,38 @@ def test_dropping_a_runner_frees_its_graphs_without_the_collector(kind, gc_state
     assert all(r() is None for r in refs), "a reference cycle keeps the runner's graphs alive"
     if kind == "stream":
         assert all(n == 0 for n in dev.allocator.refs.values())
+
+
+# ---------------------------------------------------------------- a second engine in one process
+def test_graphs_of_a_new_runner_capture_after_every_graph_of_the_last_is_gone(gc_state):
+    """Dropping every graph of the shared pool lets the allocator release it; the next capture
+    must use a fresh pool (capturing into the released one is refused, as PyTorch asserts)."""
+    dev = FakeDevice()
+    first = [_graph(dev) for _ in range(2)]
+    for g in first:
+        g.capture(_step(dev))
+    pool = first[0].graph.pool
+    assert first[1].graph.pool == pool  # captures share one pool while its graphs live
+    del first, g
+    assert pool in dev.allocator.released
+    second = _graph(dev)
+    second.capture(_step(dev))  # raised "use_count > 0 INTERNAL ASSERT FAILED" before
+    assert second.graph.pool != pool
+    third = _graph(dev)
+    third.capture(_step(dev))
+    assert third.graph.pool == second.graph.pool
+    third.replay()
+    assert third.graph.replays == 1
+
+
+def test_runners_built_one_after_another_all_capture(gc_state):
+    """Two GraphRunners over fresh worlds, the first dropped before the second captures:
+    every bucket of both is captured (an engine per batch size in one process)."""
+    dev = FakeDevice()
+    for _ in range(2):
+        world = _world()
+        world.backend.new_graph = lambda: _graph(dev)
+        runner = world.graph_runner(max_bs=4, bucket_sizes=[1, 2, 4])
+        assert not runner.capture_failures
+        assert all(isinstance(c.graph, StreamGraph) for c in runner.graphs.values())
+        del runner, world

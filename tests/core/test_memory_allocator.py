@@ -429,3 +429,18 @@ def test_bad_rollback_raises_and_changes_nothing(pick, needle):
         alloc.rollback(locs)
     assert_unchanged(alloc, before)
     assert torch.equal(alloc.page_fill, fill)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_host_slots_are_the_slots_the_device_version_hands_out(page_size):
+    """``host=True`` returns the same slots as a CPU tensor and changes the same state."""
+    (_, a), (_, b) = make(page_size), make(page_size)
+    got = a.alloc_extend([0, 0], [5, 3], [-1, -1], host=True)
+    want = b.alloc_extend([0, 0], [5, 3], [-1, -1])
+    assert got.device.type == "cpu" and got.dtype == torch.int64 and torch.equal(got, want.cpu())
+    last = [int(got[4]), int(got[7])]
+    got = a.alloc_decode([6, 4], last, host=True)
+    want = b.alloc_decode([6, 4], last)
+    assert got.device.type == "cpu" and torch.equal(got, want.cpu())
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(a)[2:], snapshot(b)[2:]))
+    a.check_invariants()

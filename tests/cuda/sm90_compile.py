@@ -83,7 +83,8 @@ def drive() -> None:
     cuda_backend.interpreting = lambda: True  # accept a CPU pool: no kernel runs here anyway
     # the plans of a 132-SM H200 (splits, the one-launch small-step path), not the CPU stand-in
     paged_attention._num_sms = store_attend._num_sms = lambda device_type, index: 132
-    for extra in ({}, {"logit_softcap": 5.0, "sinks": True}):
+    for extra, release_early in (({}, False), ({"logit_softcap": 5.0, "sinks": True}, False), ({}, True)):
+        cuda_backend.CudaBackend.pdl_release_early = release_early
         spec = WorldSpec(
             num_layers=2,
             num_heads=8,

@@ -65,8 +65,9 @@ def test_one_launch_steps_match_the_two_launch_path(graphs):
 
 def test_larger_steps_take_the_two_launch_path():
     world = World(SPEC, CudaBackend, DEVICE, seed=1)
+    world.backend._num_sms = 8  # as the interpreter's stand-in, whatever GPU runs the test
     reqs = world.prefill([12, 7, 20, 5], backend=world.reference_backend)
-    step = world.plan(ForwardMode.DECODE, reqs)  # 4 requests x 2 kv heads: no room for 2 splits each
+    step = world.plan(ForwardMode.DECODE, reqs)  # 4 requests x 2 kv heads on 8 SMs: no room for 2 splits each
     world.run_eager(step)
     assert world.backend.forward_metadata.fused is False
     step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=5)  # 5 x 2 rows > MAX_ROWS

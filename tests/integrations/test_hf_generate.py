@@ -109,3 +109,31 @@ def test_bfloat16_model_runs():
     got = engine.generate(PROMPTS[:2], 4)
     assert [len(g) for g in got] == [4, 4]
     assert sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) >= 6
+
+
+def test_decode_steps_overlap_the_host_with_the_device(monkeypatch):
+    """DECODE step N + 1 is enqueued before the host reads step N's tokens (its input tokens
+    are step N's, still on the device), every step's tokens are read exactly once, and the
+    result is transformers' own, EOS included."""
+    want = reference("gemma3_text")
+    eos = want[2][4]
+    engine = Engine(tiny_model("gemma3_text"), "reference", max_batch_size=4, max_context_len=40)
+    events = []
+    forward, collect = engine.runner.forward, engine._collect
+
+    def traced_forward(batch, *args, **kwargs):
+        events.append(batch.forward_mode.name)
+        return forward(batch, *args, **kwargs)
+
+    def traced_collect(pending):
+        events.append("read")
+        return collect(pending)
+
+    monkeypatch.setattr(engine.runner, "forward", traced_forward)
+    monkeypatch.setattr(engine, "_collect", traced_collect)
+    got = engine.generate(PROMPTS, NEW, eos_token_id=eos)
+    assert got == [w[: w.index(eos) + 1] if eos in w else w for w in want]
+    first = events.index("DECODE")
+    assert events[first : first + 4] == ["DECODE", "DECODE", "read", "DECODE"]
+    assert events.count("read") == events.count("DECODE")
+    check_pools_empty(engine)

@@ -24,12 +24,18 @@ ends it and drops the reference that capture took), and the pool is retired, so 
 captures use a fresh one and never meet ``already recording to mempool_id``. Graphs already
 captured into the retired pool keep working. The failed graph object is dropped, or kept
 for the life of the process when the allocator may still refer to it.
+
+A shared pool lives as long as a graph captured into it: once every such graph is gone, the
+allocator releases the pool (PyTorch's caching allocator then refuses a new capture into the
+same pool id while it still holds the pool's blocks), so the next capture starts a fresh one.
+A process can thus drop an engine's graphs and capture another engine's.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Dict, List, Optional
 
@@ -44,8 +50,19 @@ logger = logging.getLogger(__name__)
 #: runs of the step before capture
 WARMUP_RUNS = 2
 
+
+@dataclass
+class _SharedPool:
+    """A pool handle and the graphs captured into it (weakly: a graph's death is the pool's
+    business only while others remain)."""
+
+    handle: object
+    used: bool = False
+    graphs: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
+
+
 #: module name -> the graph memory pool captures of that module share
-_pools: Dict[str, object] = {}
+_pools: Dict[str, _SharedPool] = {}
 #: graph objects of failed captures the device allocator may still refer to
 _kept_failed: List[object] = []
 
@@ -75,15 +92,18 @@ def torch_pool_ops(module: ModuleType) -> Optional[PoolOps]:
 
 
 def shared_pool(module: ModuleType) -> object:
-    """The pool the next capture of ``module`` uses (created on first use)."""
+    """The pool the next capture of ``module`` uses: the shared one while a graph captured into
+    it lives, else a new one (on first use, and after every graph of the last one is gone)."""
     key = module.__name__
-    if key not in _pools:
-        _pools[key] = module.graph_pool_handle()
-    return _pools[key]
+    entry = _pools.get(key)
+    if entry is None or (entry.used and not len(entry.graphs)):
+        entry = _pools[key] = _SharedPool(module.graph_pool_handle())
+    return entry.handle
 
 
 def _retire_pool(module: ModuleType, pool: object) -> None:
-    if _pools.get(module.__name__) is pool:
+    entry = _pools.get(module.__name__)
+    if entry is not None and entry.handle is pool:
         del _pools[module.__name__]
 
 
@@ -112,6 +132,8 @@ class StreamGraph:
                     fn()
             mod.current_stream().wait_stream(side)
             pool = shared_pool(mod)
+            entry = _pools[mod.__name__]
+            entry.used = True
             device = mod.current_device()
             try:
                 # The outer stream context restores the caller's stream even when the graph
@@ -122,6 +144,7 @@ class StreamGraph:
             except BaseException:
                 self._abandon(device, pool)
                 raise
+            entry.graphs.add(self)
         self._state = "captured"
         return out
 

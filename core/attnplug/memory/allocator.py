@@ -138,13 +138,17 @@ class SWATokenAllocator:
         pages = self._take_pages(n // self.page_size)
         return self._page_slots(pages).to(self.device)
 
-    def alloc_extend(self, prefix_lens: HostInts, seq_lens: HostInts, last_loc: HostInts) -> torch.Tensor:
+    def alloc_extend(
+        self, prefix_lens: HostInts, seq_lens: HostInts, last_loc: HostInts, *, host: bool = False
+    ) -> torch.Tensor:
         """Slots for positions ``prefix_lens[i] .. seq_lens[i] - 1`` of each request ``i``.
 
         Arguments: ``[bs]`` host ints (sequences or CPU tensors); ``last_loc[i]`` is the full
         slot of position ``prefix_lens[i] - 1``, or -1 when the prefix is empty.
         Returns ``out_cache_loc``: ``[sum(seq_lens - prefix_lens)]`` int64, device, request
-        by request in position order. The tokens first fill the rest of the page of
+        by request in position order; with ``host=True`` the same slots as a CPU tensor (for
+        an engine that keeps them on the host and uploads them with the rest of its step:
+        no device copy here, so nothing waits for the device queue). The tokens first fill the rest of the page of
         ``last_loc`` (already mapped to an SWA page), then take new pages (each given an
         SWA page). All-or-nothing across both pools (``OutOfKVSlots``).
 
@@ -189,16 +193,17 @@ class SWATokenAllocator:
         base = torch.where(in_last, last[token_req] // ps * ps, new_base)
         slots = base + pos % ps
         self.page_fill.scatter_reduce_(0, slots // ps, slots % ps + 1, reduce="amax")
-        return slots.to(self.device)
+        return slots if host else slots.to(self.device)
 
-    def alloc_decode(self, seq_lens: HostInts, last_loc: HostInts) -> torch.Tensor:
+    def alloc_decode(self, seq_lens: HostInts, last_loc: HostInts, *, host: bool = False) -> torch.Tensor:
         """One new token per request: ``seq_lens`` (``[bs]`` host ints) INCLUDE it, so its
-        position is ``seq_lens[i] - 1``; ``last_loc`` as in ``alloc_extend``. Returns
-        ``[bs]`` int64, device. All-or-nothing (``OutOfKVSlots``)."""
+        position is ``seq_lens[i] - 1``; ``last_loc`` and ``host`` as in ``alloc_extend``.
+        Returns ``[bs]`` int64, device (CPU with ``host=True``). All-or-nothing
+        (``OutOfKVSlots``)."""
         seq = _host_int64(seq_lens, "seq_lens")
         if bool((seq < 1).any()):
             raise KVSlotError(f"alloc_decode needs seq_lens >= 1 (they include the new token), got {_first(seq)}")
-        return self.alloc_extend(seq - 1, seq, last_loc)
+        return self.alloc_extend(seq - 1, seq, last_loc, host=host)
 
     # ------------------------------------------------------------------ freeing
     def free(self, full_locs: HostInts) -> None:
@@ -477,10 +482,14 @@ class SWATokenAllocator:
         self._write_mapping(slots, torch.zeros_like(slots))
 
     def _write_mapping(self, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> None:
-        """Scatter ``mapping[full_slots] = swa_slots`` on the device (one host -> device copy)."""
+        """Scatter ``mapping[full_slots] = swa_slots`` on the device (one host -> device copy,
+        from pinned memory off the host: asynchronous, so the host never waits for the work
+        queued on the device, e.g. a step in flight)."""
         if full_slots.numel() == 0:
             return
-        both = torch.stack([full_slots, swa_slots]).to(self.device)
+        both = torch.stack([full_slots, swa_slots])
+        if self.device.type != "cpu":
+            both = both.pin_memory().to(self.device, non_blocking=True)
         self.pool.full_to_swa_index_mapping.index_copy_(0, both[0], both[1].to(torch.int32))
 
     def _full_pages_of(self, full_locs: HostInts, what: str):

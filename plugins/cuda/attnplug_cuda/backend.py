@@ -69,6 +69,13 @@ class CudaBackend(AttentionBackend):
     #: small decode steps run one ``store_attend`` launch per layer (False: always the KV
     #: store + attention launches; benchmarks compare the two)
     one_launch_small_steps: ClassVar[bool] = True
+    #: with PDL, one-launch layers read their metadata and cached K/V before waiting for the
+    #: previous kernel (``store_attend``'s ``prologue``), except the first launch after the
+    #: step's metadata launch (False: wait first; benchmarks compare the two)
+    pdl_prologue: ClassVar[bool] = True
+    #: with PDL, one-launch layers release the next launch right after their wait, so its
+    #: prologue overlaps this layer's work (False: after their last store)
+    pdl_release_early: ClassVar[bool] = True
 
     def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
         super().__init__(
@@ -106,6 +113,7 @@ class CudaBackend(AttentionBackend):
         self._graph_buffers: Optional[GraphBuffers] = None
         self._graph_tables: Dict[Tuple[int, int], _StepTables] = {}
         self._validate_replay = False
+        self._after_metadata = True  # the next attention launch directly follows the metadata launch
         self._replay_source: Optional[Tuple[ForwardBatch, ForwardBatch]] = None  # set_replay_source
         # Row b of the window table belongs to request b: rows for as many requests as a step
         # can hold (eager: live requests; graphs: padded buckets, see init_cuda_graph_state).
@@ -324,6 +332,10 @@ class CudaBackend(AttentionBackend):
         self.forward_metadata = t
         self._note_prepared_batch(static)
 
+    def _note_prepared_batch(self, batch: ForwardBatch) -> None:
+        super()._note_prepared_batch(batch)
+        self._after_metadata = True
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
@@ -389,8 +401,22 @@ class CudaBackend(AttentionBackend):
             return out
         common = dict(self._attention_args(is_swa, batch, t), softcap=self.logit_softcap, sinks=sinks, pdl=self.pdl)
         if t.fused:
+            # Data read before gdc_wait must come from kernels two or more launches back:
+            # not the metadata this step's first launch follows.
+            prologue, self._after_metadata = self.pdl_prologue and not self._after_metadata, False
             return self._store_attend(
-                q, k, v, loc, k_cache, v_cache, out, workspace=self._fused_workspace, tickets=self._tickets, **common
+                q,
+                k,
+                v,
+                loc,
+                k_cache,
+                v_cache,
+                out,
+                workspace=self._fused_workspace,
+                tickets=self._tickets,
+                prologue=prologue,
+                release_early=self.pdl_release_early,
+                **common,
             )
         return self._paged_attention(q, k_cache, v_cache, out, workspace=t.workspace, **common)
 

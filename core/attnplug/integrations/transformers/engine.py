@@ -15,6 +15,14 @@ The scheduler, between steps, on the host:
 * **After each step.** Each request takes the argmax of its last token's logits when its
   prompt is done, out-of-window SWA slots are evicted, and finished requests (``max_new_tokens``
   tokens, or an EOS token, which is kept) free their slots and row, so others can join.
+* **Overlap.** Consecutive DECODE steps overlap the host with the device: step ``N + 1`` is
+  prepared and enqueued (its input tokens are step ``N``'s argmax, still on the device) before
+  the host reads step ``N``'s tokens, so the host work of a step (slot allocation, eviction,
+  the batch upload, graph preparation) runs while the device computes the previous one. A
+  request's slots, lengths and table rows are known on the host without reading the device;
+  the only read of a DECODE step is its sampled tokens, one step late. A request that ends
+  with an EOS token has run one step past it by then: that step's token is dropped (and its
+  slot freed with the others), so the result is exactly that of stepping one at a time.
 
 ``generate`` returns the new tokens of each prompt; afterwards every slot and row is back in
 the pools (also when a step raises).
@@ -61,6 +69,8 @@ class _Request:
     seq_len: int = 0  # positions stored in the KV cache
     reserve_full: int = 0
     reserve_swa: int = 0
+    inflight: int = 0  # tokens sampled on the device the host has not read yet (0 or 1)
+    finished: bool = False  # max_new tokens or an EOS token read: no more steps
 
     @property
     def prefilling(self) -> bool:
@@ -69,6 +79,21 @@ class _Request:
     @property
     def last_loc(self) -> int:
         return self.slots[-1] if self.slots else -1
+
+    @property
+    def wants_step(self) -> bool:
+        """Another DECODE step would give it a token it keeps (as far as the host knows)."""
+        return not self.finished and len(self.out) + self.inflight < self.max_new
+
+
+@dataclass
+class _Pending:
+    """A DECODE step enqueued on the device whose sampled tokens the host has not read."""
+
+    reqs: List[_Request]
+    tokens: torch.Tensor  # [n] int64 on the device: the argmax of each request's logits
+    host: torch.Tensor  # [n] int64 host copy (pinned off the host), valid once `ready` completed
+    ready: Optional[object]  # the device event after the copy (None on the host)
 
 
 def _eos_set(eos_token_id) -> frozenset:
@@ -176,29 +201,43 @@ class Engine:
         or than the pools can ever hold."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        eos = _eos_set(eos_token_id)
+        self._eos = _eos_set(eos_token_id)
         reqs = [self._request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         waiting = deque(r for r in reqs if r.max_new > 0)
         running: List[_Request] = []
         counts = {"steps": {"EXTEND": 0, "DECODE": 0}, "graph_steps": 0, "peak_running": 0, "peak_swa_slots": 0}
         progress = Progress(len(reqs), enabled=self.progress)
         start = time.perf_counter()
+        pending: Optional[_Pending] = None  # the DECODE step in flight (module docstring: Overlap)
         try:
             while waiting or running:
                 self._admit(waiting, running)
                 prefill = [r for r in running if r.prefilling]
-                if prefill:
+                if prefill and pending is not None:  # EXTEND steps read their tokens at once
+                    self._collect(pending)
+                    pending = None
+                elif prefill:
                     self._extend_step(prefill)
                     counts["steps"]["EXTEND"] += 1
                 else:
-                    counts["graph_steps"] += self._decode_step(running)
-                    counts["steps"]["DECODE"] += 1
+                    step_reqs = [r for r in running if r.wants_step]
+                    if pending is not None and not all(r.inflight for r in step_reqs):
+                        self._collect(pending)
+                        pending = None
+                    step = None
+                    if step_reqs:
+                        step, replayed = self._decode_step(step_reqs, pending)
+                        counts["graph_steps"] += replayed
+                        counts["steps"]["DECODE"] += 1
+                    if pending is not None:
+                        self._collect(pending)  # the device works on `step` meanwhile
+                    pending = step
                 alloc = self.runner.allocator
                 counts["peak_running"] = max(counts["peak_running"], len(running))
                 counts["peak_swa_slots"] = max(
                     counts["peak_swa_slots"], self.runner.pool.size_swa - alloc.swa_available_size()
                 )
-                for r in [r for r in running if len(r.out) >= r.max_new or (r.out and r.out[-1] in eos)]:
+                for r in [r for r in running if r.finished and not r.inflight]:
                     running.remove(r)
                     self._release(r)
                 progress.update(**self._figures(reqs, running, waiting, counts))
@@ -278,6 +317,22 @@ class Engine:
             running.append(r)
             used_full += r.reserve_full
 
+    def _take(self, r: _Request, token: int) -> None:
+        """A token read for ``r``: kept unless ``r`` already finished (a step past its EOS)."""
+        if r.finished:
+            return
+        r.out.append(token)
+        if len(r.out) >= r.max_new or token in self._eos:
+            r.finished = True
+
+    def _collect(self, pending: _Pending) -> None:
+        """Read a DECODE step's tokens (waits for that step only, not for later ones)."""
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        for r, token in zip(pending.reqs, pending.host.tolist()):
+            r.inflight -= 1
+            self._take(r, token)
+
     def _release(self, r: _Request) -> None:
         if r.slots:
             self.runner.allocator.free(torch.tensor(r.slots, dtype=torch.int64))
@@ -299,13 +354,27 @@ class Engine:
         return list(flat.split([len(col) for col in columns]))
 
     def _advance(self, reqs: Sequence[_Request], new: Sequence[int]) -> None:
-        """The step's tokens are stored: move each request on and evict out-of-window SWA
-        slots (one call for the whole batch: one read of the device rows)."""
+        """The step's tokens are stored: move each request on and free the SWA slots of the
+        positions that left every future query's window (``SWATokenAllocator.evict_out_of_window``'s
+        rule), from the slots the engine keeps on the host: one ``free_swa`` call for the
+        batch, no device read."""
         spec, alloc, rows = self.runner.spec, self.runner.allocator, self.runner.req_to_token_pool
         for r, n in zip(reqs, new):
             r.seq_len += n
-        if spec.swa_layer_ids and reqs:
-            alloc.evict_out_of_window_many(rows, [r.row for r in reqs], [r.seq_len for r in reqs], spec.sliding_window)
+        if not spec.swa_layer_ids:
+            return
+        ps, window = self.runner.pool.page_size, spec.sliding_window
+        gone, moved = [], []
+        for r in reqs:
+            frontier = rows.swa_evicted_len(r.row)
+            limit = max(0, r.seq_len - window + 1) // ps * ps
+            if limit > frontier:
+                gone += r.slots[frontier:limit:ps]  # one slot per page: positions are page-aligned
+                moved.append((r.row, limit))
+        if gone:
+            alloc.free_swa(torch.tensor(gone, dtype=torch.int64))
+            for row, limit in moved:
+                rows.set_swa_evicted_len(row, limit)
 
     def _extend_step(self, prefill: Sequence[_Request]) -> None:
         budget, reqs, new = self.max_prefill_tokens, [], []
@@ -327,13 +396,14 @@ class Engine:
             if r.seq_len + n == len(r.prompt):  # the prompt is complete: its last token's logits
                 ends.append(offset - 1)
                 done.append(r)
-        loc = runner.allocator.alloc_extend([r.seq_len for r in reqs], seq, [r.last_loc for r in reqs])
-        ids_t, positions, token_rows, rows_t, seq_t, new_t, ends_t = self._upload(
-            ids, pos, rows, [r.row for r in reqs], seq, new, ends
+        slots = runner.allocator.alloc_extend([r.seq_len for r in reqs], seq, [r.last_loc for r in reqs], host=True)
+        slots = slots.tolist()
+        ids_t, positions, token_rows, rows_t, seq_t, new_t, ends_t, loc = self._upload(
+            ids, pos, rows, [r.row for r in reqs], seq, new, ends, slots
         )
         runner.req_to_token_pool.req_to_token[token_rows, positions] = loc.to(torch.int32)
-        for r, slots in zip(reqs, _split(loc.tolist(), new)):
-            r.slots += slots
+        for r, taken in zip(reqs, _split(slots, new)):
+            r.slots += taken
         batch = ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
             batch_size=len(reqs),
@@ -347,25 +417,42 @@ class Engine:
         )
         logits = runner.forward(batch, ids_t, positions, logits_indices=ends_t)
         for r, token in zip(done, logits.argmax(dim=-1).tolist()):
-            r.out.append(token)
+            self._take(r, token)
         self._advance(reqs, new)
 
-    def _decode_step(self, reqs: Sequence[_Request]) -> int:
-        """One DECODE step of ``reqs``; returns 1 when a captured graph ran it, else 0.
+    def _decode_step(self, reqs: Sequence[_Request], pending: Optional[_Pending]) -> tuple:
+        """Enqueue one DECODE step of ``reqs``; returns ``(the step as _Pending, 1 when a
+        captured graph ran it else 0)``. Nothing here reads the device.
 
-        Host work is batched: one slot allocation, ONE host-to-device copy for the step's
-        request rows, lengths, positions and token ids (from pinned memory, asynchronous, off
-        the host), one indexed write of the new slots into the request table, one eviction
-        call; the only read back is the sampled tokens."""
+        Input tokens: the host's last token of each request, or, when ``pending`` is in flight
+        (then every request of ``reqs`` is one of its requests), the tokens it sampled on the
+        device. Host work is batched: one slot allocation (on the host), ONE host-to-device
+        copy for the step's request rows, lengths, positions, slots and tokens (or their index
+        into ``pending``'s), one indexed write of the new slots into the request table, one
+        eviction call."""
         runner = self.runner
         n = len(reqs)
         seq = [r.seq_len + 1 for r in reqs]
-        loc = runner.allocator.alloc_decode(seq, [r.last_loc for r in reqs])
-        rows_t, seq_t, positions, ids = self._upload(
-            [r.row for r in reqs], seq, [r.seq_len for r in reqs], [r.out[-1] for r in reqs]
+        slots = runner.allocator.alloc_decode(seq, [r.last_loc for r in reqs], host=True).tolist()
+        from_device = pending is not None and pending.reqs != list(reqs)
+        if pending is None:
+            last = [r.out[-1] for r in reqs]
+        elif from_device:
+            where = {id(r): i for i, r in enumerate(pending.reqs)}
+            last = [where[id(r)] for r in reqs]
+        else:
+            last = []
+        rows_t, seq_t, positions, loc, last_t = self._upload(
+            [r.row for r in reqs], seq, [r.seq_len for r in reqs], slots, last
         )
+        if pending is None:
+            ids = last_t
+        elif from_device:
+            ids = pending.tokens.index_select(0, last_t)
+        else:
+            ids = pending.tokens
         runner.req_to_token_pool.req_to_token[rows_t, positions] = loc.to(torch.int32)
-        for r, slot in zip(reqs, loc.tolist()):
+        for r, slot in zip(reqs, slots):
             r.slots.append(slot)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
@@ -382,7 +469,20 @@ class Engine:
             replayed = int(self.graphs.bucket_for(batch) is not None)
         else:
             logits = runner.forward(batch, ids, positions)
-        for r, token in zip(reqs, logits.argmax(dim=-1).tolist()):
-            r.out.append(token)
+        tokens = logits.argmax(dim=-1)  # read before the next step overwrites a graph's output
+        for r in reqs:
+            r.inflight += 1
         self._advance(reqs, [1] * n)
-        return replayed
+        return self._in_flight(list(reqs), tokens), replayed
+
+    @staticmethod
+    def _in_flight(reqs: List[_Request], tokens: torch.Tensor) -> _Pending:
+        """The step's tokens copied to the host behind the step (pinned memory, asynchronous),
+        with an event the host waits on when it reads them."""
+        if tokens.device.type == "cpu":
+            return _Pending(reqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.Event(device=tokens.device)
+        ready.record()
+        return _Pending(reqs, tokens, host, ready)

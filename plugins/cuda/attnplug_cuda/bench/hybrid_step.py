@@ -26,6 +26,8 @@ Around the new path's steps, in the same run:
   measured first); times held to ``TIME_TARGETS_US``;
 * **one launch per layer**: at bs 1 and 8 the same backend with its one-launch small steps off
   (variant ``new-two-launch``: KV store + attention launches): ``new-two-launch / new``;
+  and its one-launch layers without the PDL prologue (``new-no-prologue``) and releasing the
+  next launch after their last store (``new-release-late``), each bit-identical to ``new``;
 * **PDL**: at bs 1 the same backend built with ``ATTNPLUG_DISABLE_PDL=1`` (variant
   ``new-no-pdl``): ``new-no-pdl / new`` held to ``>= 1.15x``, and every layer's output must
   be bit-identical;
@@ -115,10 +117,34 @@ def cuda_backend_two_launch(*args, **kwargs):
     return TwoLaunchCudaBackend(*args, **kwargs)
 
 
+def cuda_backend_no_prologue(*args, **kwargs):
+    """The cuda backend whose one-launch layers wait for the previous kernel before any load
+    (``pdl_prologue`` off): what reading metadata and cached K/V before the wait saves."""
+    from ..backend import CudaBackend
+
+    class NoPrologueCudaBackend(CudaBackend):
+        pdl_prologue = False
+
+    return NoPrologueCudaBackend(*args, **kwargs)
+
+
+def cuda_backend_release_late(*args, **kwargs):
+    """The cuda backend whose one-launch layers release the next launch after their last
+    store (``pdl_release_early`` off): what releasing it right after the wait saves."""
+    from ..backend import CudaBackend
+
+    class ReleaseLateCudaBackend(CudaBackend):
+        pdl_release_early = False
+
+    return ReleaseLateCudaBackend(*args, **kwargs)
+
+
 def variants() -> dict:
     """``new``: the cuda backend (``seq_lens_cpu=None``; floors measured); ``before``:
     ``BeforeBackend``; ``new-no-pdl``: the cuda backend without PDL, at ``PDL_SIZES``;
     ``new-two-launch``: the cuda backend without its one-launch small steps, at
+    ``TWO_LAUNCH_SIZES``; ``new-no-prologue`` / ``new-release-late``: its one-launch layers
+    without the PDL prologue / releasing the next launch after their last store, at
     ``TWO_LAUNCH_SIZES``."""
     from ..backend import CudaBackend
     from .before import BeforeBackend
@@ -128,6 +154,8 @@ def variants() -> dict:
         "before": StepVariant(make=BeforeBackend, with_cpu=True),
         "new-no-pdl": StepVariant(make=cuda_backend_without_pdl, sizes=PDL_SIZES, vs_baseline=False),
         "new-two-launch": StepVariant(make=cuda_backend_two_launch, sizes=TWO_LAUNCH_SIZES, vs_baseline=False),
+        "new-no-prologue": StepVariant(make=cuda_backend_no_prologue, sizes=TWO_LAUNCH_SIZES, vs_baseline=False),
+        "new-release-late": StepVariant(make=cuda_backend_release_late, sizes=TWO_LAUNCH_SIZES, vs_baseline=False),
     }
 
 
@@ -150,6 +178,8 @@ def run(ctx: Ctx) -> List[dict]:
     sizes = (1, 64) if ctx.quick else (1, 8, 32, 64, 128)
     pdl_ratio = StepRatio(slow="new-no-pdl", fast="new", target=PDL_TARGET, identical=True)
     one_launch = StepRatio(slow="new-two-launch", fast="new")
+    prologue = StepRatio(slow="new-no-prologue", fast="new", identical=True)
+    release_early = StepRatio(slow="new-release-late", fast="new", identical=True)
     return run_step_benchmark(
         ctx,
         name=NAME,
@@ -164,7 +194,7 @@ def run(ctx: Ctx) -> List[dict]:
         tolerance=1e-2,
         time_targets=TIME_TARGETS_US,
         launch_floor=EmptyKernelFloor(ctx.timer, repeats=3 if ctx.quick else 5),
-        ratios=[pdl_ratio, one_launch],
+        ratios=[pdl_ratio, one_launch, prologue, release_early],
         peers=[flashinfer_peer()],
         prep=PrepCheck(variant="new", bs=PREP_BS, target_us=PREP_TARGET_US, iters=300 if ctx.quick else 2000),
     )

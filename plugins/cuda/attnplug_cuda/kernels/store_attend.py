@@ -49,7 +49,15 @@ at ``loc`` for those positions (the contract's ``out_cache_loc``). With ``loc=No
 layer does not save its KV) every key is read from the cache.
 
 PDL: the kernel ``gdc_wait``s before its first load and releases its dependents after its
-last store (releasing right after ``gdc_wait`` was measured slower on an H200).
+last store, or with ``release_early`` right after ``gdc_wait`` (every layer after the first
+then starts its prologue while the previous one computes). With ``prologue`` it first reads
+what no recent kernel wrote — the step's metadata (``cu_q_lens``,
+``seq_lens``, table rows and starts), the first key block's table entries and the cached K/V
+of its positions before the step's own tokens — and only then waits: the previous layer's
+tail overlaps those loads. Each kernel of a PDL chain waits before it releases the next, so
+when a launch starts, every kernel two or more launches back has completed; the data read
+early must come from those. The step's own K/V (from ``k`` / ``v``, or the cache when
+``loc`` is None) and ``q`` are read after the wait.
 The merge order of the splits is fixed (split 0 first), so the output does not depend on
 which program merges: PDL on and off give identical bits.
 """
@@ -82,6 +90,55 @@ PROGRAMS_PER_SM = 1
 MERGE_ROWS = 64
 
 ensure_interpreter_compat()
+
+
+@triton.jit
+def _key_block(t_row, start, s_hi, t_start, table_width, num_slots, BLOCK_N: tl.constexpr):
+    """Key positions ``start .. start + BLOCK_N`` of a split ending at ``s_hi``: ``(offs_n,
+    in_range, slot, has_key)`` (the table read)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    col = offs_n - t_start
+    in_range = offs_n < s_hi
+    slot = tl.load(t_row + col, mask=in_range & (col >= 0) & (col < table_width), other=0)
+    has_key = (slot >= 1) & (slot < num_slots)
+    return offs_n, in_range, slot, has_key
+
+
+@triton.jit
+def _online_block(
+    q,
+    k,
+    v,
+    has_key,
+    offs_n,
+    in_range,
+    pos,
+    lo,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    softcap_log2,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One key block folded into the running ``(m_i, l_i, acc)`` (base-2 online softmax)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if SOFTCAP:
+        qk = _tanh(qk * qk_scale) * softcap_log2 + tl.where(has_key, 0.0, float("-inf"))[None, :]
+    else:
+        qk = qk * qk_scale + tl.where(has_key, 0.0, float("-inf"))[None, :]
+    keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
+    if HAS_WINDOW:
+        keep = keep & (offs_n[None, :] >= lo[:, None])
+    qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -131,6 +188,8 @@ def _store_attend_kernel(
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # with PDL: read the step's metadata and the first key block's cached K/V before gdc_wait
+    RELEASE_EARLY: tl.constexpr,  # with PDL: release the dependents right after gdc_wait
 ):
     pid_g = tl.program_id(0)  # (request, kv head) group
     pid_s = tl.program_id(1)  # split
@@ -143,7 +202,7 @@ def _store_attend_kernel(
     head = hk * G + offs_m % G
     kv_stride = num_kv_heads * HEAD_DIM
     kv_col = hk * HEAD_DIM + offs_d
-    if PDL:
+    if PDL and not PROLOGUE:
         tl.extra.cuda.gdc_wait()
 
     q_start = tl.load(CuQ + b)
@@ -156,25 +215,11 @@ def _store_attend_kernel(
         t_start = 0
     new0 = seq_len - q_len  # position of the step's first token
 
-    if STORE:
-        if pid_s == 0:  # one program per group stores the group's head of the new rows
-            offs_t = tl.arange(0, BLOCK_T)
-            t_rows = (q_start + offs_t).to(tl.int64)
-            loc = tl.load(Loc + t_rows, mask=offs_t < q_len, other=0).to(tl.int64)
-            ok = (offs_t < q_len) & (loc >= 1) & (loc < num_slots)
-            st_mask = ok[:, None] & d_valid[None, :]
-            kn = tl.load(KNew + t_rows[:, None] * stride_knt + kv_col[None, :], mask=st_mask)
-            vn = tl.load(VNew + t_rows[:, None] * stride_vnt + kv_col[None, :], mask=st_mask)
-            dst = loc[:, None] * kv_stride + kv_col[None, :]
-            tl.store(K + dst, kn, mask=st_mask)
-            tl.store(V + dst, vn, mask=st_mask)
-
     n_rows = q_len * G
     row_valid = offs_m < n_rows
     rd_mask = row_valid[:, None] & d_valid[None, :]
     pos = new0 + tok
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
 
     # the group's key range: the first token's window start .. the last token's position
     kv_hi = seq_len
@@ -196,15 +241,69 @@ def _store_attend_kernel(
 
     t_idx = tl.where((t_idx >= 0) & (t_idx < table_rows_len), t_idx, 0)  # outside the table: row 0
     t_row = Table + t_idx * stride_table
+
+    # The first key block: its table entries and the K/V of positions before the step's own
+    # tokens were written before this step began (by earlier steps, the engine, the step's
+    # metadata), so with PROLOGUE they are read before gdc_wait, overlapping the previous
+    # kernel; only the step's own tokens (written by the previous kernels) wait.
+    offs_n, in_range, slot, has_key = _key_block(t_row, s_lo, s_hi, t_start, table_width, num_slots, BLOCK_N)
+    is_new = offs_n >= new0
+    kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
+    old_mask = (has_key & ~is_new)[:, None] & d_valid[None, :]
+    k_old = tl.load(K + kv_off, mask=old_mask, other=0.0)
+    v_old = tl.load(V + kv_off, mask=old_mask, other=0.0)
+    if PDL and PROLOGUE:
+        tl.extra.cuda.gdc_wait()
+    if PDL and RELEASE_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    if STORE:
+        if pid_s == 0:  # one program per group stores the group's head of the new rows
+            offs_t = tl.arange(0, BLOCK_T)
+            t_rows = (q_start + offs_t).to(tl.int64)
+            loc = tl.load(Loc + t_rows, mask=offs_t < q_len, other=0).to(tl.int64)
+            ok = (offs_t < q_len) & (loc >= 1) & (loc < num_slots)
+            st_mask = ok[:, None] & d_valid[None, :]
+            kn = tl.load(KNew + t_rows[:, None] * stride_knt + kv_col[None, :], mask=st_mask)
+            vn = tl.load(VNew + t_rows[:, None] * stride_vnt + kv_col[None, :], mask=st_mask)
+            dst = loc[:, None] * kv_stride + kv_col[None, :]
+            tl.store(K + dst, kn, mask=st_mask)
+            tl.store(V + dst, vn, mask=st_mask)
+
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
+    new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
+    if STORE:  # keys of the step's own tokens: the rows being stored, read from k / v
+        n_row = (q_start + offs_n - new0).to(tl.int64)
+        k_new = tl.load(KNew + n_row[:, None] * stride_knt + kv_col[None, :], mask=new_mask, other=0.0)
+        v_new = tl.load(VNew + n_row[:, None] * stride_vnt + kv_col[None, :], mask=new_mask, other=0.0)
+    else:
+        k_new = tl.load(K + kv_off, mask=new_mask, other=0.0)
+        v_new = tl.load(V + kv_off, mask=new_mask, other=0.0)
+    k = tl.where(is_new[:, None], k_new, k_old)
+    v = tl.where(is_new[:, None], v_new, v_old)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(s_lo, s_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        col = offs_n - t_start
-        in_range = offs_n < s_hi
-        slot = tl.load(t_row + col, mask=in_range & (col >= 0) & (col < table_width), other=0)
-        has_key = (slot >= 1) & (slot < num_slots)
+    m_i, l_i, acc = _online_block(
+        q,
+        k,
+        v,
+        has_key,
+        offs_n,
+        in_range,
+        pos,
+        lo,
+        m_i,
+        l_i,
+        acc,
+        qk_scale,
+        softcap_log2,
+        HAS_WINDOW,
+        SOFTCAP,
+        PRECISION,
+    )
+    for start in range(s_lo + BLOCK_N, s_hi, BLOCK_N):
+        offs_n, in_range, slot, has_key = _key_block(t_row, start, s_hi, t_start, table_width, num_slots, BLOCK_N)
         kv_mask = has_key[:, None] & d_valid[None, :]
         kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
         if STORE:
@@ -218,21 +317,24 @@ def _store_attend_kernel(
             v_ptr = V + kv_off
         k = tl.load(k_ptr, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if SOFTCAP:
-            qk = _tanh(qk * qk_scale) * softcap_log2 + tl.where(has_key, 0.0, float("-inf"))[None, :]
-        else:
-            qk = qk * qk_scale + tl.where(has_key, 0.0, float("-inf"))[None, :]
-        keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
-        if HAS_WINDOW:
-            keep = keep & (offs_n[None, :] >= lo[:, None])
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_block(
+            q,
+            k,
+            v,
+            has_key,
+            offs_n,
+            in_range,
+            pos,
+            lo,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            softcap_log2,
+            HAS_WINDOW,
+            SOFTCAP,
+            PRECISION,
+        )
 
     o_ptrs = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -285,7 +387,7 @@ def _store_attend_kernel(
             r_ptrs = Out + r_rows[:, None] * stride_ot + r_head[:, None] * stride_oh + offs_d[None, :]
             tl.store(r_ptrs, out.to(Out.dtype.element_ty), mask=r_valid[:, None] & d_valid[None, :])
             tl.atomic_xchg(Tickets + pid_g, 0, sem="relaxed")  # ready for the next launch
-    if PDL:
+    if PDL and not RELEASE_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -383,6 +485,8 @@ def store_attend(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     pdl: bool = False,
+    prologue: bool = False,
+    release_early: bool = False,
     config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Store ``k``/``v`` at ``loc`` (None: store nothing), attend ``q`` over the paged cache
@@ -393,6 +497,11 @@ def store_attend(
     elements; ``tickets``: int32, >= ``bs * Hkv`` elements, zero-filled once when allocated
     and reused by every call (each launch leaves it zero). Both are static buffers in graph
     mode. ``softcap`` (> 0) and ``sinks`` (float32 ``[H]``) as in ``paged_attention``.
+    ``prologue`` (with ``pdl``): read the step's metadata, the first key block's table entries
+    and its cached K/V before ``gdc_wait`` (module docstring, PDL). Only for a launch whose
+    previous kernel did not write those: never the first launch after the kernel that writes
+    the step's metadata. ``release_early`` (with ``pdl``): release the next launch right after
+    ``gdc_wait`` rather than after the last store.
     ``config`` overrides keys of the plan (tests, benchmarks).
     """
     T, H, D, hkv, G, bs = check_attention_args(
@@ -495,6 +604,8 @@ def store_attend(
         SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         PDL=pdl,
+        PROLOGUE=pdl and prologue,
+        RELEASE_EARLY=pdl and release_early,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
         **extra,
