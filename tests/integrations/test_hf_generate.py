@@ -121,8 +121,11 @@ def test_decode_steps_overlap_the_host_with_the_device(monkeypatch):
     events = []
     forward, collect = engine.runner.forward, engine._collect
 
+    sizes = []
+
     def traced_forward(batch, *args, **kwargs):
         events.append(batch.forward_mode.name)
+        sizes.append((batch.forward_mode.name, batch.batch_size))
         return forward(batch, *args, **kwargs)
 
     def traced_collect(pending):
@@ -136,4 +139,8 @@ def test_decode_steps_overlap_the_host_with_the_device(monkeypatch):
     first = events.index("DECODE")
     assert events[first : first + 4] == ["DECODE", "DECODE", "read", "DECODE"]
     assert events.count("read") == events.count("DECODE")
+    # the EOS request left while a step was in flight: the next step took the others' tokens
+    # from that step's device tensor, by index
+    decode = [bs for mode, bs in sizes if mode == "DECODE"]
+    assert any(b < a for a, b in zip(decode, decode[1:]))
     check_pools_empty(engine)

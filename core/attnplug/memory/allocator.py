@@ -533,6 +533,8 @@ class SWATokenAllocator:
                 f"last_loc {_first(bad)} are not allocated or not at the page offset of their position prefix_lens - 1"
             )
         fills = held & (prefix % ps != 0) & (seq > prefix)  # new tokens go into last_loc's page
+        if not bool(fills.any()):  # every request starts a new page (always with page_size 1)
+            return
         filled = last[fills]
         pages = filled // ps
         bad = filled[self.full_to_swa_page[pages] == 0]

@@ -56,7 +56,7 @@ def _split(values: List[int], sizes: Sequence[int]) -> List[List[int]]:
     return out
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared (and removed from lists) by identity
 class _Request:
     """One prompt being generated (host state)."""
 
@@ -434,10 +434,13 @@ class Engine:
         n = len(reqs)
         seq = [r.seq_len + 1 for r in reqs]
         slots = runner.allocator.alloc_decode(seq, [r.last_loc for r in reqs], host=True).tolist()
-        from_device = pending is not None and pending.reqs != list(reqs)
+        # some requests of the step in flight finished: gather the others' tokens by index
+        gather = pending is not None and (
+            len(pending.reqs) != len(reqs) or any(a is not b for a, b in zip(pending.reqs, reqs))
+        )
         if pending is None:
             last = [r.out[-1] for r in reqs]
-        elif from_device:
+        elif gather:
             where = {id(r): i for i, r in enumerate(pending.reqs)}
             last = [where[id(r)] for r in reqs]
         else:
@@ -447,7 +450,7 @@ class Engine:
         )
         if pending is None:
             ids = last_t
-        elif from_device:
+        elif gather:
             ids = pending.tokens.index_select(0, last_t)
         else:
             ids = pending.tokens
