@@ -7,7 +7,10 @@ translated once per step). Per layer: small decode steps (``kernels.store_attend
 a few rows per request, room for two KV splits per request and kv head) run ONE launch that
 stores the step's K/V, attends and merges its KV splits; other steps run two launches, the
 KV store at the hoisted slots and the paged attention (plus a combine launch when the KV
-range is split for decode).
+range is split for decode). With PDL, each one-launch layer after a step's first reads its
+metadata and cached K/V before waiting for the previous kernel and releases the next launch
+right after its wait, so consecutive layers overlap (``store_attend``'s ``prologue`` and
+``release_early``; class flags ``pdl_prologue`` / ``pdl_release_early``).
 
 Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
 launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).
