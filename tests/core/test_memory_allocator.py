@@ -444,3 +444,40 @@ def test_host_slots_are_the_slots_the_device_version_hands_out(page_size):
     assert got.device.type == "cpu" and torch.equal(got, want.cpu())
     assert all(torch.equal(x, y) for x, y in zip(snapshot(a)[2:], snapshot(b)[2:]))
     a.check_invariants()
+
+
+def test_page_size_1_hands_out_the_free_list_in_order_through_any_history():
+    """With page size 1 every new token takes the next free slot, request by request in
+    position order, whatever was allocated and freed before (a FIFO model of the free list)."""
+    import random
+
+    rng = random.Random(0)
+    pool, alloc = make(1, size=64, size_swa=64)
+    free = list(range(1, 65))  # the model: taken from the front, freed slots appended sorted
+    held = []  # (slots of one request)
+    for _ in range(200):
+        if held and (rng.random() < 0.4 or len(free) < 8):
+            slots = held.pop(rng.randrange(len(held)))
+            alloc.free(torch.tensor(slots))
+            free += sorted(slots)
+            continue
+        reqs = [held[i] for i in rng.sample(range(len(held)), min(len(held), rng.randint(0, 2)))]
+        new_reqs = rng.randint(0 if reqs else 1, 2)
+        prefix = [len(r) for r in reqs] + [0] * new_reqs
+        grow = [rng.randint(0, 3) for _ in prefix]
+        if sum(grow) > len(free):
+            continue
+        last = [r[-1] for r in reqs] + [-1] * new_reqs
+        got = alloc.alloc_extend(prefix, [p + g for p, g in zip(prefix, grow)], last).tolist()
+        want, free = free[: sum(grow)], free[sum(grow) :]
+        assert got == want
+        offset = 0
+        for i, g in enumerate(grow):
+            taken = got[offset : offset + g]
+            offset += g
+            if i < len(reqs):
+                reqs[i] += taken
+            elif taken:
+                held.append(taken)
+        alloc.check_invariants()
+    assert alloc.full_available_size() == len(free)

@@ -175,6 +175,9 @@ class SWATokenAllocator:
                 f"{self.pool.size} slots: no request can hold that many positions"
             )
         self._check_last_loc(prefix, seq, last)
+        if ps == 1:  # every new token takes a page of its own, request by request in order
+            slots = self._take_pages(int((seq - prefix).sum()), fill=1)
+            return slots if host else slots.to(self.device)
 
         ext = seq - prefix  # [bs] new tokens
         prefix_pages = (prefix + ps - 1) // ps  # pages already (partly) held
