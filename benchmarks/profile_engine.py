@@ -34,19 +34,6 @@ for sub in ("plugins/cuda", "core"):
 import torch  # noqa: E402
 
 
-def _build(quick: bool, device: torch.device):
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
-
-    from attnplug.bench.model_decode import GEMMA3_1B, QUICK_CONFIG
-
-    config = Gemma3TextConfig(**(QUICK_CONFIG if quick else GEMMA3_1B))
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval(), config.vocab_size
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -61,10 +48,13 @@ def _timed(device, fn) -> float:
 
 
 def profile(bs: int, compile_model: bool, new_tokens: int, quick: bool, top: int) -> None:
+    from attnplug.bench.model_decode import GEMMA3_1B, QUICK_CONFIG, build_model
     from attnplug.integrations.transformers import Engine
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, vocab = _build(quick, device)
+    config = QUICK_CONFIG if quick else GEMMA3_1B
+    model, _ = build_model(device, config)
+    vocab = config["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (bs, 128 if not quick else 24), generator=gen).tolist()
     engine = Engine(model, None, max_batch_size=bs, max_context_len=512, progress=False, compile=compile_model)

@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from attnplug import ForwardBatch, ForwardMode, decide_needs_cpu_seq_lens
+from attnplug.integrations import transformers_missing
 
 from .rules import MODEL
 
@@ -143,19 +144,6 @@ def default_dtype(caps) -> torch.dtype:
         if dtype in caps.dtypes:
             return dtype
     return caps.dtypes[0]
-
-
-def transformers_missing() -> Optional[str]:
-    """Why the check cannot run here (transformers or the integration not importable), or None."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        return f"transformers is not installed (pip install 'attnplug[hf]'): {exc}"
-    try:
-        from attnplug.integrations import transformers as _integration  # noqa: F401
-    except ImportError as exc:
-        return f"attnplug.integrations.transformers cannot be imported: {exc}"
-    return None
 
 
 # ---------------------------------------------------------------------------- the engine

@@ -24,7 +24,7 @@ def test_registered_but_not_default():
 
 
 def test_skips_without_transformers(monkeypatch):
-    monkeypatch.setattr(md, "_missing", lambda: "transformers is not installed")
+    monkeypatch.setattr(md, "transformers_missing", lambda: "transformers is not installed")
     rows = md.run(_ctx(quick=True))
     assert len(rows) == 1 and rows[0]["value"] is None and rows[0]["error"] is None
     assert rows[0]["notes"] == "skipped: transformers is not installed"

@@ -42,15 +42,16 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 
+from ..integrations import transformers_missing
 from .context import Ctx
 from .rows import row
 from .suite import Benchmark
 
-__all__ = ["BENCHMARK", "GEMMA3_1B", "QUICK_CONFIG", "PROMPT_LEN", "NEW_TOKENS", "BATCH_SIZES", "run"]
+__all__ = ["BENCHMARK", "build_model", "GEMMA3_1B", "QUICK_CONFIG", "PROMPT_LEN", "NEW_TOKENS", "BATCH_SIZES", "run"]
 
 NAME = "model_decode"
 #: the entry a suite lists (only run when named: ``attnplug bench --only model_decode``)
@@ -96,32 +97,22 @@ REPEATS = 3
 _QUICK = dict(prompt_len=24, new_tokens=8, batch_sizes=(1, 4), repeats=1)
 
 
-def _missing() -> Optional[str]:
-    try:
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        return f"transformers is not installed (pip install 'attnplug[hf]'): {exc}"
-    try:
-        from attnplug.integrations.transformers import Engine  # noqa: F401
-    except ImportError as exc:
-        return f"attnplug.integrations.transformers cannot be imported: {exc}"
-    return None
-
-
 def _skip(ctx: Ctx, why: str) -> List[dict]:
     ctx.rows.append(row(NAME, "(all)", "decode tokens/s", None, "tok/s", notes=f"skipped: {why}", key=True))
     ctx.log(f"{NAME}: skipped: {why}")
     return ctx.rows
 
 
-def _build(ctx: Ctx, config_kwargs: dict):
-    """The random-weight model in bfloat16 (float32 on the host) on ``ctx.device``, sdpa attention."""
+def build_model(device: torch.device, config_kwargs: dict):
+    """``(model, dtype)``: the random-weight Gemma3 text model of ``config_kwargs``
+    (``GEMMA3_1B`` or ``QUICK_CONFIG``; seed 0) in bfloat16 (float32 on the host) on
+    ``device``, sdpa attention, generating exactly the tokens asked (no EOS)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    dtype = torch.float32 if ctx.device.type == "cpu" else torch.bfloat16
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = Gemma3TextConfig(**config_kwargs)
     torch.manual_seed(0)
-    with torch.device(ctx.device):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()
     model.generation_config.eos_token_id = None  # exactly n new tokens, as the engine
@@ -236,7 +227,7 @@ def _theirs(ctx: Ctx, model, prompts: torch.Tensor, n_new: int):
 
 def run(ctx: Ctx) -> List[dict]:
     """The benchmark of the module docstring for ``ctx.backend_cls`` on ``ctx.device``."""
-    why = _missing()
+    why = transformers_missing()
     if why is not None:
         return _skip(ctx, why)
     if ctx.device.type == "cpu" and not ctx.quick:
@@ -246,7 +237,7 @@ def run(ctx: Ctx) -> List[dict]:
     sizes = _QUICK["batch_sizes"] if ctx.quick else BATCH_SIZES
     config_kwargs = QUICK_CONFIG if ctx.quick else GEMMA3_1B
     ctx.log(f"{NAME}: building the {'tiny' if ctx.quick else '1B-class'} Gemma3 text model on {ctx.device}")
-    hf_model, dtype = _build(ctx, config_kwargs)
+    hf_model, dtype = build_model(ctx.device, config_kwargs)
     ours_model = copy.deepcopy(hf_model)
     gen = torch.Generator().manual_seed(0)
     config_name = "tiny Gemma3 text" if ctx.quick else "Gemma3 text 1B-class"

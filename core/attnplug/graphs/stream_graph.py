@@ -53,11 +53,9 @@ WARMUP_RUNS = 2
 
 @dataclass
 class _SharedPool:
-    """A pool handle and the graphs captured into it (weakly: a graph's death is the pool's
-    business only while others remain)."""
+    """A pool handle and the graphs captured into it (held weakly)."""
 
     handle: object
-    used: bool = False
     graphs: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
 
@@ -96,7 +94,7 @@ def shared_pool(module: ModuleType) -> object:
     it lives, else a new one (on first use, and after every graph of the last one is gone)."""
     key = module.__name__
     entry = _pools.get(key)
-    if entry is None or (entry.used and not len(entry.graphs)):
+    if entry is None or not len(entry.graphs):
         entry = _pools[key] = _SharedPool(module.graph_pool_handle())
     return entry.handle
 
@@ -133,7 +131,6 @@ class StreamGraph:
             mod.current_stream().wait_stream(side)
             pool = shared_pool(mod)
             entry = _pools[mod.__name__]
-            entry.used = True
             device = mod.current_device()
             try:
                 # The outer stream context restores the caller's stream even when the graph

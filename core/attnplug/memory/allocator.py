@@ -285,6 +285,12 @@ class SWATokenAllocator:
             )
         self._unmap(pages)
 
+    def window_limit(self, seq_len: int, window: int) -> int:
+        """The eviction limit of a request of ``seq_len`` positions: positions below it lie
+        outside every future query's window (a query at ``>= seq_len`` sees keys
+        ``> pos - window``), rounded down to a whole page. Host ints; no checks."""
+        return max(0, seq_len - window + 1) // self.page_size * self.page_size
+
     def evict_out_of_window(self, rows: ReqToTokenPool, req_row: int, seq_len: int, window: int) -> int:
         """Free the SWA slots no future query of request row ``req_row`` can attend to.
 
@@ -308,7 +314,7 @@ class SWATokenAllocator:
         seq_len = host_int(seq_len, "evict_out_of_window: seq_len", lo=0, hi=rows.max_context_len)
         ps = self.page_size
         frontier = rows.swa_evicted_len(req_row)
-        limit = max(0, seq_len - window + 1) // ps * ps
+        limit = self.window_limit(seq_len, window)
         if limit <= frontier and not validation_enabled():
             return 0
         held = rows.req_to_token[req_row, frontier:seq_len].to("cpu", torch.int64)  # positions to check
@@ -345,7 +351,7 @@ class SWATokenAllocator:
                 seq_len, f"evict_out_of_window_many: seq_len of row {row}", lo=0, hi=rows.max_context_len
             )
             frontier = rows.swa_evicted_len(row)
-            limit = max(0, seq_len - window + 1) // ps * ps
+            limit = self.window_limit(seq_len, window)
             if limit > frontier or check_all:
                 plans.append((row, frontier, limit, seq_len))
         if not plans:

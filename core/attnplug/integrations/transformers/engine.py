@@ -41,7 +41,7 @@ from ...batch import ForwardBatch, ForwardMode
 from ...graphs import EagerGraph
 from .choice import BackendArg
 from .progress import Progress
-from .runner import ModelRunner, _round_up, check_sizes, default_pool_sizes
+from .runner import ModelRunner, _round_up, check_sizes, default_pool_sizes, live_window_slots
 from .spec import model_spec
 
 __all__ = ["Engine"]
@@ -293,8 +293,7 @@ class Engine:
         full = _round_up(context, ps)
         if not spec.swa_layer_ids:
             return full, full
-        window = _round_up(spec.sliding_window + ps - 2, ps) + ps
-        return full, min(full, window)
+        return full, min(full, live_window_slots(spec, ps))
 
     def _swa_need(self, reqs: Sequence[_Request]) -> int:
         """SWA slots ``reqs`` may hold at once: their windows, plus one step's new tokens beyond
@@ -355,19 +354,19 @@ class Engine:
 
     def _advance(self, reqs: Sequence[_Request], new: Sequence[int]) -> None:
         """The step's tokens are stored: move each request on and free the SWA slots of the
-        positions that left every future query's window (``SWATokenAllocator.evict_out_of_window``'s
-        rule), from the slots the engine keeps on the host: one ``free_swa`` call for the
+        positions that left every future query's window (``SWATokenAllocator.window_limit``),
+        from the slots the engine keeps on the host: one ``free_swa`` call for the
         batch, no device read."""
         spec, alloc, rows = self.runner.spec, self.runner.allocator, self.runner.req_to_token_pool
         for r, n in zip(reqs, new):
             r.seq_len += n
         if not spec.swa_layer_ids:
             return
-        ps, window = self.runner.pool.page_size, spec.sliding_window
+        ps = self.runner.pool.page_size
         gone, moved = [], []
         for r in reqs:
             frontier = rows.swa_evicted_len(r.row)
-            limit = max(0, r.seq_len - window + 1) // ps * ps
+            limit = alloc.window_limit(r.seq_len, spec.sliding_window)
             if limit > frontier:
                 gone += r.slots[frontier:limit:ps]  # one slot per page: positions are page-aligned
                 moved.append((r.row, limit))

@@ -31,11 +31,18 @@ from .modules import attention_modules
 from .spec import ModelSpec, model_spec
 from .support import unsupported_reasons
 
-__all__ = ["ModelRunner", "default_pool_sizes", "check_sizes"]
+__all__ = ["ModelRunner", "default_pool_sizes", "live_window_slots", "check_sizes"]
 
 
 def _round_up(n: int, page: int) -> int:
     return -(-n // page) * page
+
+
+def live_window_slots(spec: ModelSpec, page_size: int) -> int:
+    """SWA slots one request of a sliding model holds at most after eviction: its live window
+    (at most ``W + page_size - 2`` positions, in whole pages) plus the page its next tokens
+    start."""
+    return _round_up(spec.sliding_window + page_size - 2, page_size) + page_size
 
 
 def default_pool_sizes(
@@ -52,9 +59,8 @@ def default_pool_sizes(
     full = max_batch_size * _round_up(max_context_len, page_size)
     if not spec.swa_layer_ids:
         return full, full
-    window = _round_up(spec.sliding_window + page_size - 2, page_size) + page_size
     step = _round_up(max_step_tokens, page_size) + max_batch_size * page_size
-    return full, min(full, max_batch_size * window + step)
+    return full, min(full, max_batch_size * live_window_slots(spec, page_size) + step)
 
 
 def check_sizes(**sizes) -> None:

@@ -106,37 +106,19 @@ def cuda_backend_without_pdl(*args, **kwargs):
     return backend
 
 
-def cuda_backend_two_launch(*args, **kwargs):
-    """The cuda backend with every step on the two-launch path (KV store + attention), the
-    one-launch small-step kernel (``store_attend``) off: what the one launch saves."""
-    from ..backend import CudaBackend
+def cuda_backend_with(**flags):
+    """A maker of the cuda backend with some of its class flags changed (a subclass), for the
+    variants that switch one of its features off: ``one_launch_small_steps=False`` (every step
+    on the two-launch path: KV store + attention), ``pdl_prologue=False`` (the one-launch
+    layers wait before any load), ``pdl_release_early=False`` (they release the next launch
+    after their last store)."""
 
-    class TwoLaunchCudaBackend(CudaBackend):
-        one_launch_small_steps = False
+    def make(*args, **kwargs):
+        from ..backend import CudaBackend
 
-    return TwoLaunchCudaBackend(*args, **kwargs)
+        return type("CudaBackendVariant", (CudaBackend,), dict(flags))(*args, **kwargs)
 
-
-def cuda_backend_no_prologue(*args, **kwargs):
-    """The cuda backend whose one-launch layers wait for the previous kernel before any load
-    (``pdl_prologue`` off): what reading metadata and cached K/V before the wait saves."""
-    from ..backend import CudaBackend
-
-    class NoPrologueCudaBackend(CudaBackend):
-        pdl_prologue = False
-
-    return NoPrologueCudaBackend(*args, **kwargs)
-
-
-def cuda_backend_release_late(*args, **kwargs):
-    """The cuda backend whose one-launch layers release the next launch after their last
-    store (``pdl_release_early`` off): what releasing it right after the wait saves."""
-    from ..backend import CudaBackend
-
-    class ReleaseLateCudaBackend(CudaBackend):
-        pdl_release_early = False
-
-    return ReleaseLateCudaBackend(*args, **kwargs)
+    return make
 
 
 def variants() -> dict:
@@ -149,13 +131,14 @@ def variants() -> dict:
     from ..backend import CudaBackend
     from .before import BeforeBackend
 
+    small = dict(sizes=TWO_LAUNCH_SIZES, vs_baseline=False)
     return {
         "new": StepVariant(make=CudaBackend, floor=True),
         "before": StepVariant(make=BeforeBackend, with_cpu=True),
         "new-no-pdl": StepVariant(make=cuda_backend_without_pdl, sizes=PDL_SIZES, vs_baseline=False),
-        "new-two-launch": StepVariant(make=cuda_backend_two_launch, sizes=TWO_LAUNCH_SIZES, vs_baseline=False),
-        "new-no-prologue": StepVariant(make=cuda_backend_no_prologue, sizes=TWO_LAUNCH_SIZES, vs_baseline=False),
-        "new-release-late": StepVariant(make=cuda_backend_release_late, sizes=TWO_LAUNCH_SIZES, vs_baseline=False),
+        "new-two-launch": StepVariant(make=cuda_backend_with(one_launch_small_steps=False), **small),
+        "new-no-prologue": StepVariant(make=cuda_backend_with(pdl_prologue=False), **small),
+        "new-release-late": StepVariant(make=cuda_backend_with(pdl_release_early=False), **small),
     }
 
 
