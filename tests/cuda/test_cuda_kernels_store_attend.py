@@ -25,6 +25,7 @@ from attnplug_cuda.kernels import pdl_supported  # noqa: E402
 from attnplug_cuda.kernels.store_attend import (  # noqa: E402
     MAX_ROWS,
     eligible,
+    num_sms,
     plan_store_attend,
     store_attend,
     store_attend_workspace_numel,
@@ -51,8 +52,12 @@ def run_case(
     padded: int = 0,
     bad_loc: bool = False,
     seed: int = 0,
+    max_kv_len: Optional[int] = None,
+    keep: Optional[dict] = None,
 ):
-    """Run one step; returns (out, expected, k_cache, v_cache, loc, k, v, tickets)."""
+    """Run one step; returns (out, expected, k_cache, v_cache, loc, k, v, tickets).
+    ``max_kv_len``: the host bound (default: the table's width); ``keep``: gets the
+    ``workspace`` and the ``plan`` used."""
     g = torch.Generator().manual_seed(seed)
     bs = len(seq_lens)
     S = 2 * sum(seq_lens) + 8
@@ -102,6 +107,20 @@ def run_case(
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     kc, vc = to(k_cache), to(v_cache)
     tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    workspace = torch.empty(store_attend_workspace_numel(D, 132) * 4, dtype=torch.float32, device=DEVICE)
+    bound = tab.shape[1] if max_kv_len is None else max_kv_len
+    if keep is not None:
+        keep["workspace"] = workspace
+        keep["plan"] = plan_store_attend(
+            num_reqs=bs + padded,
+            num_kv_heads=Hkv,
+            group=H // Hkv,
+            head_dim=D,
+            max_q_len=q_len,
+            max_kv_len=bound,
+            window=window,
+            num_sms=num_sms(DEVICE),
+        )
     out = store_attend(
         to(q),
         to(k),
@@ -116,10 +135,10 @@ def run_case(
         table_rows=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
         table_start=to(window_start),
         max_q_len=q_len,
-        max_kv_len=tab.shape[1],
+        max_kv_len=bound,
         sm_scale=0.3,
         window=window,
-        workspace=torch.empty(store_attend_workspace_numel(D, 132) * 4, dtype=torch.float32, device=DEVICE),
+        workspace=workspace,
         tickets=tickets,
         softcap=softcap,
         sinks=to(sinks),
@@ -191,6 +210,26 @@ def test_garbage_store_slots_are_skipped():
     _check(res, torch.float32, bs=2, q_len=1, bad_loc=True)
 
 
+def test_many_splits_merge_in_order_with_empty_splits():
+    # 16 splits of 16 keys over 23 / 40 / 9 keys: most splits of each group are empty (m = -1e30,
+    # l = 0) and the merge must pass over them; with sinks, the sink joins the denominator once
+    res = run_case([23, 40, 9], 1, splits=16, with_sinks=True, seed=11)
+    _check(res, torch.float32, bs=3, q_len=1)
+
+
+def test_a_loose_host_bound_still_gives_every_split_keys():
+    # the host bound (4096) is 16x the real length (256): the plan's key block (128) is wider
+    # than a split's real share, and the splits must still be cut from the real length, every
+    # one of them holding keys (whole blocks of 128 would leave 14 of the 16 splits empty)
+    keep: dict = {}
+    res = run_case([256], 1, splits=16, max_kv_len=4096, seed=13, keep=keep)
+    _check(res, torch.float32, bs=1, q_len=1)
+    assert keep["plan"]["BLOCK_N"] == 128
+    rows = 4  # q_len x G rows of one (request, kv head) group
+    m = keep["workspace"][: 2 * 16 * rows].view(2, 16, rows)[:, :, :4].cpu()  # [groups, splits, rows]
+    assert (m > -1e29).all(), f"splits without keys: {(m <= -1e29).all(-1).nonzero().tolist()}"
+
+
 def test_plan_and_eligibility():
     # a small batch splits the KV range, each split keeps >= 32 keys, within one program per SM
     p = plan_store_attend(
@@ -201,5 +240,16 @@ def test_plan_and_eligibility():
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1024, window=None, num_sms=132
     )
     assert p["num_splits"] == 16 and p["BLOCK_N"] == 64
+    # a share of 68 keys (1088 / 16): a 64-key block, the largest power of two within the share
+    p = plan_store_attend(
+        num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
+    )
+    assert p["num_splits"] == 16 and p["BLOCK_N"] == 64 and p["num_stages"] == 1
     assert eligible(8, 8, 1, 4, 132) and not eligible(16, 8, 1, 4, 132)  # two splits per group at least
-    assert not eligible(1, 8, 4, 4, 132) and MAX_ROWS == 8  # 4 drafts x 4 heads: the two-launch path
+    assert eligible(1, 8, 4, 4, 132) and MAX_ROWS == 16  # 4 drafts x 4 heads: one launch
+    assert not eligible(1, 8, 5, 4, 132)  # 5 drafts x 4 heads: the two-launch path
+    # 16 rows: the merge holds at most MERGE_ROWS (split, row) pairs, so at most 4 splits
+    p = plan_store_attend(
+        num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
+    )
+    assert p["ROWS"] == p["BLOCK_M"] == 16 and p["num_splits"] == 4

@@ -36,13 +36,13 @@ class TwoLaunch(CudaBackend):
     one_launch_small_steps = False
 
 
-def _decode_twice(backend_cls, *, graphs: bool):
+def _decode_twice(backend_cls, *, graphs: bool, mode=ForwardMode.DECODE, drafts=None):
     world = World(SPEC, backend_cls, DEVICE, seed=3)
     reqs = world.prefill([40, 9], backend=world.reference_backend)
     outs, fused = [], []
-    runner = world.graph_runner(max_bs=2, bucket_sizes=[2]) if graphs else None
+    runner = world.graph_runner(max_bs=2, num_draft_tokens=drafts, bucket_sizes=[2]) if graphs else None
     for _ in range(2):
-        step = world.plan(ForwardMode.DECODE, reqs)
+        step = world.plan(mode, reqs, num_draft_tokens=drafts)
         if runner is None:
             outs.append(world.run_eager(step).float().clone())
         else:
@@ -52,15 +52,28 @@ def _decode_twice(backend_cls, *, graphs: bool):
     return outs, fused, world.snapshot_kv()
 
 
+def _assert_same(one, two, kv_one, kv_two):
+    for a, b in zip(one, two):
+        assert torch.isfinite(a).all() and (a - b).abs().max().item() <= 2e-3
+    for (k1, v1), (k2, v2) in zip(kv_one, kv_two):  # the one launch stored exactly what the store did
+        assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(v1.nan_to_num(), v2.nan_to_num())
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_one_launch_steps_match_the_two_launch_path(graphs):
     one, fused_one, kv_one = _decode_twice(CudaBackend, graphs=graphs)
     two, fused_two, kv_two = _decode_twice(TwoLaunch, graphs=graphs)
     assert fused_one == [True, True] and fused_two == [False, False]
-    for a, b in zip(one, two):
-        assert torch.isfinite(a).all() and (a - b).abs().max().item() <= 2e-3
-    for (k1, v1), (k2, v2) in zip(kv_one, kv_two):  # the one launch stored exactly what the store did
-        assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(v1.nan_to_num(), v2.nan_to_num())
+    _assert_same(one, two, kv_one, kv_two)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_draft_steps_of_up_to_16_rows_take_one_launch(graphs):
+    # 6 drafts x 2 q heads per kv head = 12 rows: one launch, as the two-launch path computes it
+    one, fused, kv_one = _decode_twice(CudaBackend, graphs=graphs, mode=ForwardMode.TARGET_VERIFY, drafts=6)
+    two, fused_two, kv_two = _decode_twice(TwoLaunch, graphs=graphs, mode=ForwardMode.TARGET_VERIFY, drafts=6)
+    assert all(fused) and not any(fused_two)
+    _assert_same(one, two, kv_one, kv_two)
 
 
 def test_larger_steps_take_the_two_launch_path():
@@ -70,6 +83,6 @@ def test_larger_steps_take_the_two_launch_path():
     step = world.plan(ForwardMode.DECODE, reqs)  # 4 requests x 2 kv heads on 8 SMs: no room for 2 splits each
     world.run_eager(step)
     assert world.backend.forward_metadata.fused is False
-    step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=5)  # 5 x 2 rows > MAX_ROWS
+    step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=9)  # 9 x 2 rows > MAX_ROWS
     world.run_eager(step)
     assert world.backend.forward_metadata.fused is False

@@ -3,8 +3,8 @@
 Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the layers read:
 the hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the
 window's start, each new token's position, and the window's SWA slot table (full-pool rows
-translated once per step). Per layer: small decode steps (``kernels.store_attend.eligible``:
-a few rows per request, room for two KV splits per request and kv head) run ONE launch that
+translated once per step). Per layer: small decode and draft steps (``kernels.store_attend.eligible``:
+up to 16 (token, q head) rows per request, room for two KV splits per request and kv head) run ONE launch that
 stores the step's K/V, attends and merges its KV splits; other steps run two launches, the
 KV store at the hoisted slots and the paged attention (plus a combine launch when the KV
 range is split for decode). With PDL, each one-launch layer after a step's first reads its

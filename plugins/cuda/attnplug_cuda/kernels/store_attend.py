@@ -1,6 +1,6 @@
 """One launch per layer for small steps: store the step's K/V, attend, merge the KV splits.
 
-For small decode-sized steps (``max_q_len * G <= MAX_ROWS`` and few enough requests that
+For small decode and draft steps (``max_q_len * G <= MAX_ROWS`` and few enough requests that
 every (request, kv head) group gets at least two KV splits: ``eligible``) a layer is ONE
 kernel, ``_store_attend_kernel``, instead of a KV store, an attention kernel and a split
 combine. At small batch a layer's time is a chain of dependent memory round trips and
@@ -10,11 +10,15 @@ launches, not bandwidth; this kernel shortens the chain:
   group, and every program reads the keys of the step's own tokens from ``k`` / ``v`` (the
   rows it would otherwise read back from the cache right after the store), so no program
   waits for another;
-* the KV range of a request is cut into ``NUM_SPLITS`` chunks, sized from host bounds so the
-  grid fills the GPU even at batch 1 (flash-decoding); each program writes a partial
+* the KV range of a request is cut into ``NUM_SPLITS`` chunks (their count sized from host
+  bounds so the grid fills the GPU even at batch 1, their length from the request's real
+  range, in whole 16-key steps: flash-decoding); each program writes a partial
   ``(m, l, acc)``, and the LAST program of the group to finish (an atomic ticket per group)
-  merges the partials and writes the output: no second launch. The ticket counters return to
-  zero in the same launch, so the kernel can be replayed from a graph any number of times;
+  merges the partials and writes the output: no second launch. The merge folds the splits in
+  order, each thread over its own (row, head-dim) elements of every split, so the loads of
+  all splits are in flight together and no thread waits for another. The ticket counters
+  return to zero in the same launch, so the kernel can be replayed from a graph any number
+  of times;
 * K and V of a key block are requested together before any arithmetic.
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
@@ -77,16 +81,18 @@ from .paged_attention import _num_sms, _tanh, check_attention_args, log2_scales
 __all__ = ["store_attend", "plan_store_attend", "store_attend_workspace_numel", "MAX_ROWS"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: most (token, q head) rows of one request this kernel serves: decode-sized steps (an H200
-#: ran 4-draft steps with 4 q heads per kv head, 16 rows, no faster than store + attention)
-MAX_ROWS = 8
+#: most (token, q head) rows of one request this kernel serves: decode and short draft steps
+#: (an H200 ran 48-layer 4-draft steps with 4 q heads per kv head, 16 rows, in 374 / 575 us at
+#: bs 1 / 8 against 487 / 691 us for store + attention)
+MAX_ROWS = 16
 #: most KV splits of one (request, kv head) group
 MAX_SPLITS = 32
 #: a split covers at least this many keys
 MIN_KEYS_PER_SPLIT = 32
 #: split until the grid has about this many programs per SM
 PROGRAMS_PER_SM = 1
-#: most (split, row) pairs the merge holds at once
+#: most (split, row) pairs the merge holds at once (each thread keeps its share of every
+#: split's partial in registers)
 MERGE_ROWS = 64
 
 ensure_interpreter_compat()
@@ -232,7 +238,9 @@ def _store_attend_kernel(
     kv_hi = tl.where(q_len > 0, kv_hi, kv_lo)
     kv_hi = tl.maximum(kv_hi, kv_lo)
     if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        # splits of whole 16-key steps (not whole blocks): every split gets keys even when the
+        # host bound that sized BLOCK_N is far above the request's length
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), 16) * 16
         s_lo = tl.minimum(kv_lo + pid_s * chunk, kv_hi)
         s_hi = tl.minimum(s_lo + chunk, kv_hi)
     else:
@@ -360,28 +368,35 @@ def _store_attend_kernel(
         tl.store(WorkAcc + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep_row[:, None] & d_valid[None, :])
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         ticket = tl.atomic_add(Tickets + pid_g, 1, sem="acq_rel")
-        if ticket == NUM_SPLITS - 1:  # the last program of the group merges every split at once
-            offs_s = tl.arange(0, NUM_SPLITS)
+        if ticket == NUM_SPLITS - 1:  # the last program of the group merges the splits, in order
+            # each thread keeps its own (row, head-dim) elements of every split in registers: the
+            # splits' loads are independent of each other and of the arithmetic, so they are all
+            # in flight at once, and nothing is exchanged between threads
             offs_r = tl.arange(0, ROWS)
-            sr = gbase + offs_s[:, None] * ROWS + offs_r[None, :]  # [splits, ROWS]
-            ms = tl.load(Work + sr, cache_modifier=".cg")
-            ls = tl.load(WorkL + sr, cache_modifier=".cg")
-            parts = tl.load(
-                WorkAcc + sr[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                mask=d_valid[None, None, :],
-                cache_modifier=".cg",
-            )
-            m_all = tl.max(ms, 0)
             r_valid = offs_r < n_rows
             r_head = hk * G + offs_r % G
+            m_run = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+            total = tl.zeros([ROWS], dtype=tl.float32)
+            merged = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for s in tl.static_range(NUM_SPLITS):
+                srow = gbase + s * ROWS + offs_r
+                m_s = tl.load(Work + srow, cache_modifier=".cg")
+                l_s = tl.load(WorkL + srow, cache_modifier=".cg")
+                a_s = tl.load(
+                    WorkAcc + srow[:, None] * HEAD_DIM + offs_d[None, :], mask=d_valid[None, :], cache_modifier=".cg"
+                )
+                m_new = tl.maximum(m_run, m_s)
+                alpha = tl.math.exp2(m_run - m_new)
+                w = tl.math.exp2(m_s - m_new)
+                total = total * alpha + w * l_s
+                merged = merged * alpha[:, None] + a_s * w[:, None]
+                m_run = m_new
             if HAS_SINKS:
                 r_sink = tl.load(Sinks + r_head, mask=r_valid, other=0.0) * 1.4426950408889634
-                m_all = tl.maximum(m_all, r_sink)
-            w = tl.math.exp2(ms - m_all[None, :])
-            total = tl.sum(w * ls, 0)
-            if HAS_SINKS:
-                total += tl.math.exp2(r_sink - m_all)
-            merged = tl.sum(parts * w[:, :, None], 0)
+                m_fin = tl.maximum(m_run, r_sink)
+                alpha = tl.math.exp2(m_run - m_fin)
+                total = total * alpha + tl.math.exp2(r_sink - m_fin)
+                merged = merged * alpha[:, None]
             out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
             r_rows = (q_start + offs_r // G).to(tl.int64)
             r_ptrs = Out + r_rows[:, None] * stride_ot + r_head[:, None] * stride_oh + offs_d[None, :]
@@ -424,15 +439,20 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
         and splits * 2 * rows <= MERGE_ROWS
     ):
         splits *= 2
-    # one key block covers a split's keys where it can (each loop trip is a dependent chain)
-    block_n = max(16, min(triton.next_power_of_2(triton.cdiv(span, splits)), 128 if block_d <= 128 else 64))
+    # one key block covers a split's keys where it can (each loop trip is a dependent chain), no
+    # wider than the split's share: the largest power of two within it (an H200, bs 1, full
+    # layers: 64 keys for a 68-key share, 201.6 against 222.6 us per step with a half-empty 128)
+    share = triton.cdiv(span, splits)
+    block_n = max(16, min(triton.next_power_of_2(share + 1) // 2, 128 if block_d <= 128 else 64))
     return tuple(
         dict(
             BLOCK_M=max(16, rows),
             ROWS=rows,
             BLOCK_N=block_n,
             num_warps=8 if block_n * block_d >= 128 * 128 else 4,
-            num_stages=2,
+            # one stage: no software pipelining of the (mostly single) key block; an H200 ran
+            # the 48-layer step 1.16x (bs 1) and 1.07x (bs 8) faster than with two
+            num_stages=1,
             num_splits=splits,
         ).items()
     )

@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""Where a one-launch layer's time goes, inside a captured PDL graph of a whole hybrid step.
+
+    python benchmarks/layer_timeline.py [--bs 1 8] [--out DIR] [--config KEY=VALUE ...]
+                                        [--config-full KEY=VALUE ...] [--config-swa KEY=VALUE ...]
+
+The world of ``hybrid_step`` (48 layers, 36 SWA with W 256 and 12 full, context 1024,
+32 q / 8 KV heads, D 128, bf16), one DECODE step at each ``--bs``, its 48 ``store_attend``
+launches captured in one CUDA graph (PDL on). An instrumented copy of ``store_attend`` is
+built from the plugin's source: each program writes ``%globaltimer`` at six points
+
+    0 entry, 1 its prologue loads done (before gdc_wait), 2 gdc_wait returned,
+    3 its key blocks done, 4 its ticket taken, 5 the merge done (the merging program only)
+
+and the script prints, for SWA and full layers (averaged over the layers of the step):
+``period`` (from the first wait of a layer to the first wait of the next: what a layer
+costs), ``pro`` (prologue), ``attn`` (2 -> 3, median over programs), ``ticket`` (3 -> 4),
+``merge`` (4 -> 5), ``end_to_next_wait`` (the last program's end to the next layer's first
+wait). The timer ticks coarsely (256 ns on an H200), so single stamps are rough; the
+averages over many programs and layers are what to read. Each variant's graph replay is
+also timed (CUDA events, median of 5 x 200 replays), with and without the stamps.
+
+``--config`` overrides keys of the kernel's plan (``num_stages``, ``BLOCK_N``,
+``num_splits``, ``num_warps``) on every layer, ``--config-full`` / ``--config-swa`` on one
+kind; ``--out DIR`` also writes one per-layer table per batch size. Needs a CUDA GPU with
+PDL (sm_90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import linecache
+import os
+import statistics
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for sub in ("plugins/cuda", "core"):
+    path = os.path.join(REPO, sub)
+    if os.path.isdir(path) and path not in sys.path:
+        sys.path.insert(0, path)
+
+import torch  # noqa: E402
+
+NUM_LAYERS, CONTEXT, WINDOW = 48, 1024, 256
+STAMPS = 6
+
+_STAMP_FN = """
+@triton.jit
+def _stamp(Trace, pid_g, pid_s, NUM_SPLITS: tl.constexpr, I: tl.constexpr, dep):
+    # %globaltimer, read only once ``dep`` is ready (the read is predicated on it)
+    t = tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.eq.f32 p, $1, 0f7F7FFFFF; @!p mov.u64 $0, %globaltimer; @p mov.u64 $0, 0; }",
+        "=l,f", [dep], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(Trace + (pid_g * NUM_SPLITS + pid_s) * 8 + I, t)
+
+
+@triton.jit
+def _key_block"""
+
+#: (anchor in the kernel's source, text that replaces it): the stamps and the trace argument
+_EDITS = (
+    ("from .interpret import", "from attnplug_cuda.kernels.interpret import"),
+    ("from .paged_attention import", "from attnplug_cuda.kernels.paged_attention import"),
+    ("@triton.jit\ndef _key_block", _STAMP_FN),
+    ("    Sinks,  # [H]", "    Trace,\n    Sinks,  # [H]"),
+    (
+        "    RELEASE_EARLY: tl.constexpr,  # with PDL: release the dependents right after gdc_wait\n):",
+        "    RELEASE_EARLY: tl.constexpr,  # with PDL: release the dependents right after gdc_wait\n"
+        "    TRACE: tl.constexpr = False,\n):",
+    ),
+    (
+        "    b = pid_g // num_kv_heads\n",
+        "    b = pid_g // num_kv_heads\n"
+        "    if TRACE:\n        _stamp(Trace, pid_g, pid_s, NUM_SPLITS, 0, pid_s.to(tl.float32))\n",
+    ),
+    (
+        "    if PDL and PROLOGUE:\n        tl.extra.cuda.gdc_wait()\n",
+        "    if TRACE:\n"
+        "        _stamp(Trace, pid_g, pid_s, NUM_SPLITS, 1, tl.sum(tl.sum(k_old.to(tl.float32), 1), 0))\n"
+        "    if PDL and PROLOGUE:\n        tl.extra.cuda.gdc_wait()\n"
+        "    if TRACE:\n        _stamp(Trace, pid_g, pid_s, NUM_SPLITS, 2, pid_s.to(tl.float32))\n",
+    ),
+    (
+        "    o_ptrs = Out + q_rows",
+        "    if TRACE:\n        _stamp(Trace, pid_g, pid_s, NUM_SPLITS, 3, tl.sum(l_i, 0))\n    o_ptrs = Out + q_rows",
+    ),
+    (
+        '        ticket = tl.atomic_add(Tickets + pid_g, 1, sem="acq_rel")\n',
+        '        ticket = tl.atomic_add(Tickets + pid_g, 1, sem="acq_rel")\n'
+        "        if TRACE:\n            _stamp(Trace, pid_g, pid_s, NUM_SPLITS, 4, ticket.to(tl.float32))\n",
+    ),
+    (
+        '            tl.atomic_xchg(Tickets + pid_g, 0, sem="relaxed")  # ready for the next launch\n',
+        '            tl.atomic_xchg(Tickets + pid_g, 0, sem="relaxed")  # ready for the next launch\n'
+        "            if TRACE:\n                _stamp(Trace, pid_g, pid_s, NUM_SPLITS, 5, tl.sum(total, 0))\n",
+    ),
+    (
+        "    config: Optional[dict] = None,\n) -> torch.Tensor:",
+        "    config: Optional[dict] = None,\n    trace=None,\n) -> torch.Tensor:",
+    ),
+    (
+        "        sinks if sinks is not None else workspace,\n",
+        "        trace if trace is not None else workspace,\n        sinks if sinks is not None else workspace,\n",
+    ),
+    (
+        "        RELEASE_EARLY=pdl and release_early,\n",
+        "        RELEASE_EARLY=pdl and release_early,\n        TRACE=trace is not None,\n",
+    ),
+)
+
+
+def instrumented_store_attend():
+    """The plugin's ``store_attend`` module, rebuilt with the stamps (``store_attend(...,
+    trace=int64 tensor)``); raises when the kernel's source no longer has an anchor."""
+    from attnplug_cuda.kernels import store_attend as plugin
+
+    src = open(plugin.__file__).read()
+    for anchor, text in _EDITS:
+        if anchor not in src:
+            raise RuntimeError(f"store_attend.py changed: no {anchor.strip()[:60]!r} to instrument")
+        src = src.replace(anchor, text, 1)
+    # Triton reads a kernel's source from its file when it is defined: the copy lives in one
+    fd, path = tempfile.mkstemp(prefix="store_attend_stamped_", suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(src)
+    try:
+        spec = importlib.util.spec_from_file_location("store_attend_stamped", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        os.unlink(path)
+    # the source stays readable (inspect, the interpreter) without the file
+    linecache.cache[path] = (len(src), None, src.splitlines(True), path)
+    return module
+
+
+def _world(bs: int):
+    from attnplug import ForwardMode
+    from attnplug.bench.world import build_world, make_step
+    from attnplug_cuda.backend import CudaBackend
+
+    world = build_world(num_layers=NUM_LAYERS, max_bs=bs, context=CONTEXT, window=WINDOW, device="cuda")
+    backend = CudaBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW)
+    batch = world.batch(ForwardMode.DECODE, bs, with_cpu=False)
+    return world, backend, batch, make_step(backend, world, batch.num_tokens)
+
+
+def _graph(backend, batch, step, kernel, trace, config, config_full, config_swa):
+    """The step's 48 layers in one CUDA graph, every layer through ``kernel.store_attend``."""
+    calls = [0]
+
+    def store_attend(*args, **kwargs):
+        layer = calls[0] % NUM_LAYERS
+        calls[0] += 1
+        cfg = dict(config, **(config_full if kwargs.get("window") is None else config_swa))
+        return kernel.store_attend(*args, trace=None if trace is None else trace[layer], config=cfg or None, **kwargs)
+
+    backend._store_attend = store_attend
+    backend.init_forward_metadata(batch)
+    if not backend.forward_metadata.fused:
+        raise RuntimeError("this step does not take the one-launch path (store_attend)")
+    for _ in range(2):  # compile, warm
+        backend._after_metadata = True
+        step(batch, {})
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    backend._after_metadata = True
+    with torch.cuda.graph(graph):
+        step(batch, {})
+    torch.cuda.synchronize()
+    return graph
+
+
+def _replay_us(graph, replays: int = 200, repeats: int = 5) -> float:
+    for _ in range(10):
+        graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / replays)
+    return statistics.median(samples)
+
+
+def _layers(trace: torch.Tensor) -> List[dict]:
+    """Per layer, from ``trace [L, programs, 8]`` (ns; rows of programs that ran are non-zero)."""
+    out = []
+    for x in trace.cpu().double():
+        x = x[x[:, 0] > 0]
+        merged = x[:, 5] > 0
+        out.append(
+            dict(
+                start=x[:, 0].min().item(),
+                pro=(x[:, 1] - x[:, 0]).median().item(),
+                wait=x[:, 2].min().item(),
+                wait_spread=(x[:, 2].max() - x[:, 2].min()).item(),
+                attn=(x[:, 3] - x[:, 2]).median().item(),
+                ticket=(x[:, 4] - x[:, 3]).median().item(),
+                merge=(x[merged, 5] - x[merged, 4]).median().item() if merged.any() else 0.0,
+                end=max(x[:, 4].max().item(), x[merged, 5].max().item() if merged.any() else 0.0),
+                programs=int(x.shape[0]),
+            )
+        )
+    return out
+
+
+def summary(layers: List[dict], is_swa: List[bool]) -> Dict[str, dict]:
+    """Average phases of the SWA and the full layers (the first and last layer left out)."""
+    result = {}
+    for name, kind in (("swa", True), ("full", False)):
+        ids = [i for i in range(1, len(layers) - 1) if is_swa[i] == kind]
+        if not ids:
+            continue
+
+        def mean(f, ids=ids):
+            return sum(f(i) for i in ids) / len(ids)
+
+        result[name] = {
+            "programs": layers[ids[0]]["programs"],
+            "period": mean(lambda i: layers[i + 1]["wait"] - layers[i]["wait"]),
+            **{k: mean(lambda i, k=k: layers[i][k]) for k in ("pro", "wait_spread", "attn", "ticket", "merge")},
+            "end_to_next_wait": mean(lambda i: layers[i + 1]["wait"] - layers[i]["end"]),
+        }
+    return result
+
+
+def _table(layers: List[dict], is_swa: List[bool]) -> str:
+    base = layers[0]["start"]
+    lines = ["layer swa  start(ns)  pro  wait(ns)  attn ticket merge  end(ns)"]
+    for i, r in enumerate(layers):
+        lines.append(
+            f"{i:5d} {int(is_swa[i]):3d} {r['start'] - base:10.0f} {r['pro']:4.0f} {r['wait'] - base:9.0f} "
+            f"{r['attn']:5.0f} {r['ticket']:6.0f} {r['merge']:5.0f} {r['end'] - base:8.0f}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _parse(pairs: Optional[List[str]]) -> dict:
+    out = {}
+    for pair in pairs or []:
+        key, _, value = pair.partition("=")
+        out[key] = int(value)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bs", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--config", nargs="*", help="plan keys for every layer, KEY=INT")
+    parser.add_argument("--config-full", nargs="*", help="plan keys for full layers, KEY=INT")
+    parser.add_argument("--config-swa", nargs="*", help="plan keys for SWA layers, KEY=INT")
+    parser.add_argument("--out", help="directory for the per-layer tables")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("layer_timeline needs a CUDA GPU", file=sys.stderr)
+        return 2
+    kernel = instrumented_store_attend()
+    configs = (_parse(args.config), _parse(args.config_full), _parse(args.config_swa))
+    for bs in args.bs:
+        world, backend, batch, step = _world(bs)
+        is_swa = [world.pool.is_swa_layer(layer) for layer in range(NUM_LAYERS)]
+        trace = torch.zeros(
+            NUM_LAYERS,
+            4 * torch.cuda.get_device_properties(0).multi_processor_count,
+            8,
+            dtype=torch.int64,
+            device="cuda",
+        )
+        plain = _replay_us(_graph(backend, batch, step, kernel, None, *configs))
+        graph = _graph(backend, batch, step, kernel, trace, *configs)
+        stamped = _replay_us(graph)
+        trace.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        layers = _layers(trace)
+        print(f"bs={bs}: step {plain:.1f} us ({plain / NUM_LAYERS:.2f} us a layer); with stamps {stamped:.1f} us")
+        for kind, phases in summary(layers, is_swa).items():
+            print(f"bs={bs} {kind:4s} " + json.dumps({k: round(v) for k, v in phases.items()}))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"timeline_bs{bs}.txt"), "w") as f:
+                f.write(_table(layers, is_swa))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
