@@ -1,25 +1,17 @@
 """The graph-capture soak script (benchmarks/graph_capture_soak.py) on the CPU: a few runners
 of random configurations over the reference backend, one deliberate capture failure."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 from attnplug.graphs import EagerGraph
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location(
-        "graph_capture_soak", os.path.join(REPO, "benchmarks", "graph_capture_soak.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("graph_capture_soak")
 
 
 def test_cpu_smoke_passes_and_records_the_deliberate_failure(soak, tmp_path, capsys):

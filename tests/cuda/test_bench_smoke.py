@@ -14,7 +14,6 @@ import dataclasses
 import importlib
 import importlib.util
 import io
-import os
 from contextlib import redirect_stderr
 
 import pytest
@@ -29,8 +28,8 @@ pytest.importorskip("triton")
 from attnplug import ForwardMode  # noqa: E402
 from attnplug.backends.reference import ReferenceBackend  # noqa: E402
 from attnplug_conformance.harness import World, WorldSpec  # noqa: E402
+from scripts import load_script  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_MODULES = [
     "__init__",
     "__main__",
@@ -58,10 +57,7 @@ SPEC = WorldSpec(
 
 
 def _load_cli():
-    spec = importlib.util.spec_from_file_location("run_h200", os.path.join(REPO, "benchmarks", "run_h200.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("run_h200")
 
 
 def test_bench_modules_import_on_cpu():

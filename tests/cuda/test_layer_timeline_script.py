@@ -2,25 +2,18 @@
 anchor found, the stamped kernel takes a trace buffer) and its per-layer arithmetic (the GPU
 run itself needs an sm_90 device)."""
 
-import importlib.util
 import inspect
-import os
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from scripts import load_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytest.importorskip("triton")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "layer_timeline", os.path.join(REPO, "benchmarks", "layer_timeline.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("layer_timeline")
 
 
 def test_the_stamps_fit_the_kernel_source():

@@ -1,22 +1,15 @@
 """benchmarks/profile_engine.py on the host (--quick): it runs Engine, reports a decode step's
 time and the host functions of the run (the device part needs CUDA)."""
 
-import importlib.util
-import os
-
 import pytest
+
+from scripts import load_script
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'attnplug[hf]')")
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def test_quick_profile_reports_the_step_and_the_host_functions(capsys):
-    spec = importlib.util.spec_from_file_location(
-        "profile_engine", os.path.join(REPO, "benchmarks", "profile_engine.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("profile_engine")
     module.profile(bs=2, compile_model=False, new_tokens=4, quick=True, top=20)
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("=== bs=2"))
