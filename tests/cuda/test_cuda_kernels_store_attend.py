@@ -244,7 +244,11 @@ def test_plan_and_eligibility():
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["num_splits"] == 16 and p["BLOCK_N"] == 64 and p["num_stages"] == 1
+    assert p["num_splits"] == 16 and p["BLOCK_N"] == 64 and p["num_stages"] == 1  # one block a program
+    p = plan_store_attend(
+        num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
+    )
+    assert p["num_splits"] == 2 and p["BLOCK_N"] == 128 and p["num_stages"] == 2  # several: pipelined
     assert eligible(8, 8, 1, 4, 132) and not eligible(16, 8, 1, 4, 132)  # two splits per group at least
     assert eligible(1, 8, 4, 4, 132) and MAX_ROWS == 16  # 4 drafts x 4 heads: one launch
     assert not eligible(1, 8, 5, 4, 132)  # 5 drafts x 4 heads: the two-launch path

@@ -450,9 +450,11 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
             ROWS=rows,
             BLOCK_N=block_n,
             num_warps=8 if block_n * block_d >= 128 * 128 else 4,
-            # one stage: no software pipelining of the (mostly single) key block; an H200 ran
-            # the 48-layer step 1.16x (bs 1) and 1.07x (bs 8) faster than with two
-            num_stages=1,
+            # software pipelining only where a split's share (by the host bound) holds two key
+            # blocks or more. An H200, 48-layer step: with one block per program (bs 1; bs 8
+            # SWA layers) one stage ran 1.16x (bs 1) and 1.07x (bs 8) faster than two; with
+            # four (bs 8 full layers) two stages took the step from 474.9 to 464.3 us
+            num_stages=2 if share >= 2 * block_n else 1,
             num_splits=splits,
         ).items()
     )
