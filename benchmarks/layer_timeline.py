@@ -15,10 +15,11 @@ built from the plugin's source: each program writes ``%globaltimer`` at six poin
 and the script prints, for SWA and full layers (averaged over the layers of the step):
 ``period`` (from the first wait of a layer to the first wait of the next: what a layer
 costs), ``pro`` (prologue), ``attn`` (2 -> 3, median over programs), ``ticket`` (3 -> 4),
-``merge`` (4 -> 5), ``end_to_next_wait`` (the last program's end to the next layer's first
-wait). The timer ticks coarsely (256 ns on an H200), so single stamps are rough; the
-averages over many programs and layers are what to read. Each variant's graph replay is
-also timed (CUDA events, median of 5 x 200 replays), with and without the stamps.
+``merge`` (4 -> 5), ``wait_spread`` (first to last program past its wait),
+``end_to_next_wait`` (the last program's end to the next layer's first wait), all in ns.
+The timer ticks coarsely (256 ns on an H200), so single stamps are rough; the averages over
+many programs and layers are what to read. The step's graph replay is also timed (CUDA
+events, median of 5 x 200 replays), with and without the stamps.
 
 ``--config`` overrides keys of the kernel's plan (``num_stages``, ``BLOCK_N``,
 ``num_splits``, ``num_warps``) on every layer, ``--config-full`` / ``--config-swa`` on one
