@@ -48,7 +48,6 @@ for sub in ("plugins/cuda", "core"):
 import torch  # noqa: E402
 
 NUM_LAYERS, CONTEXT, WINDOW = 48, 1024, 256
-STAMPS = 6
 
 _STAMP_FN = """
 @triton.jit
@@ -197,7 +196,7 @@ def _layers(trace: torch.Tensor) -> List[dict]:
     out = []
     for x in trace.cpu().double():
         x = x[x[:, 0] > 0]
-        merged = x[:, 5] > 0
+        merges = x[x[:, 5] > 0]
         out.append(
             dict(
                 start=x[:, 0].min().item(),
@@ -206,8 +205,8 @@ def _layers(trace: torch.Tensor) -> List[dict]:
                 wait_spread=(x[:, 2].max() - x[:, 2].min()).item(),
                 attn=(x[:, 3] - x[:, 2]).median().item(),
                 ticket=(x[:, 4] - x[:, 3]).median().item(),
-                merge=(x[merged, 5] - x[merged, 4]).median().item() if merged.any() else 0.0,
-                end=max(x[:, 4].max().item(), x[merged, 5].max().item() if merged.any() else 0.0),
+                merge=(merges[:, 5] - merges[:, 4]).median().item() if len(merges) else 0.0,
+                end=max(x[:, 4].max().item(), merges[:, 5].max().item() if len(merges) else 0.0),
                 programs=int(x.shape[0]),
             )
         )
@@ -269,13 +268,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for bs in args.bs:
         world, backend, batch, step = _world(bs)
         is_swa = [world.pool.is_swa_layer(layer) for layer in range(NUM_LAYERS)]
-        trace = torch.zeros(
-            NUM_LAYERS,
-            4 * torch.cuda.get_device_properties(0).multi_processor_count,
-            8,
-            dtype=torch.int64,
-            device="cuda",
-        )
+        programs = kernel.max_split_programs(kernel.num_sms(torch.device("cuda")))
+        trace = torch.zeros(NUM_LAYERS, programs, 8, dtype=torch.int64, device="cuda")
         plain = _replay_us(_graph(backend, batch, step, kernel, None, *configs))
         graph = _graph(backend, batch, step, kernel, trace, *configs)
         stamped = _replay_us(graph)

@@ -12,7 +12,6 @@
 
 import dataclasses
 import importlib
-import importlib.util
 import io
 from contextlib import redirect_stderr
 

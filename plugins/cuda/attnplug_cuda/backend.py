@@ -3,14 +3,15 @@
 Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the layers read:
 the hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the
 window's start, each new token's position, and the window's SWA slot table (full-pool rows
-translated once per step). Per layer: small decode and draft steps (``kernels.store_attend.eligible``:
-up to 16 (token, q head) rows per request, room for two KV splits per request and kv head) run ONE launch that
-stores the step's K/V, attends and merges its KV splits; other steps run two launches, the
-KV store at the hoisted slots and the paged attention (plus a combine launch when the KV
-range is split for decode). With PDL, each one-launch layer after a step's first reads its
-metadata and cached K/V before waiting for the previous kernel and releases the next launch
-right after its wait, so consecutive layers overlap (``store_attend``'s ``prologue`` and
-``release_early``; class flags ``pdl_prologue`` / ``pdl_release_early``).
+translated once per step). Per layer: small decode and draft steps
+(``kernels.store_attend.eligible``: up to 16 (token, q head) rows per request, room for two KV
+splits per request and kv head) run ONE launch that stores the step's K/V, attends and merges
+its KV splits; other steps run two launches, the KV store at the hoisted slots and the
+paged attention (plus a combine launch when the KV range is split for decode). With PDL,
+each one-launch layer after a step's first reads its metadata and cached K/V before waiting
+for the previous kernel and releases the next launch right after its wait, so consecutive
+layers overlap (``store_attend``'s ``prologue`` and ``release_early``; class flags
+``pdl_prologue`` / ``pdl_release_early``).
 
 Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
 launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).

@@ -78,7 +78,7 @@ import triton.language as tl
 from .interpret import ensure_interpreter_compat
 from .paged_attention import _num_sms, _tanh, check_attention_args, log2_scales
 
-__all__ = ["store_attend", "plan_store_attend", "store_attend_workspace_numel", "MAX_ROWS"]
+__all__ = ["store_attend", "plan_store_attend", "store_attend_workspace_numel", "max_split_programs", "MAX_ROWS"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: most (token, q head) rows of one request this kernel serves: decode and short draft steps
@@ -476,12 +476,17 @@ def plan_store_attend(
     return dict(_plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms))
 
 
+def max_split_programs(num_sms: int) -> int:
+    """Most programs of a split grid on a GPU with ``num_sms`` SMs: the plan splits only while
+    the grid is below ``PROGRAMS_PER_SM * num_sms`` programs and rounds the split count up to
+    a power of two, so a split grid has fewer than four times that many."""
+    return 4 * max(PROGRAMS_PER_SM * num_sms, MAX_SPLITS)
+
+
 def store_attend_workspace_numel(head_dim: int, num_sms: int) -> int:
-    """fp32 elements of a workspace serving every plan on a GPU with ``num_sms`` SMs: the
-    plan splits only while the grid is below ``PROGRAMS_PER_SM * num_sms`` programs and rounds
-    the split count up to a power of two, so a split grid has fewer than four times that many
-    programs, each with ``MAX_ROWS`` rows of partials."""
-    return 4 * max(PROGRAMS_PER_SM * num_sms, MAX_SPLITS) * MAX_ROWS * (head_dim + 2)
+    """fp32 elements of a workspace serving every plan on a GPU with ``num_sms`` SMs:
+    ``max_split_programs`` programs, each with ``MAX_ROWS`` rows of partials."""
+    return max_split_programs(num_sms) * MAX_ROWS * (head_dim + 2)
 
 
 def store_attend(
