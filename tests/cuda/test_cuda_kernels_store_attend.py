@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 from attnplug_cuda.kernels import pdl_supported  # noqa: E402
 from attnplug_cuda.kernels.store_attend import (  # noqa: E402
     MAX_ROWS,
+    MERGE_ROWS,
     eligible,
     num_sms,
     plan_store_attend,
@@ -54,10 +55,11 @@ def run_case(
     seed: int = 0,
     max_kv_len: Optional[int] = None,
     keep: Optional[dict] = None,
+    config: Optional[dict] = None,
 ):
     """Run one step; returns (out, expected, k_cache, v_cache, loc, k, v, tickets).
     ``max_kv_len``: the host bound (default: the table's width); ``keep``: gets the
-    ``workspace`` and the ``plan`` used."""
+    ``workspace`` and the ``plan`` used; ``config``: plan keys to override."""
     g = torch.Generator().manual_seed(seed)
     bs = len(seq_lens)
     S = 2 * sum(seq_lens) + 8
@@ -143,7 +145,7 @@ def run_case(
         softcap=softcap,
         sinks=to(sinks),
         pdl=PDL,
-        config={"num_splits": splits} if splits else None,
+        config=dict(config or {}, **({"num_splits": splits} if splits else {})) or None,
     )
     real_T = bs * q_len
     expected = exact_attention(
@@ -210,11 +212,33 @@ def test_garbage_store_slots_are_skipped():
     _check(res, torch.float32, bs=2, q_len=1, bad_loc=True)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_blocks_before_the_new_tokens_and_blocks_that_hold_them(splits):
+    # 16-key blocks: the step's 3 new tokens sit in the last block of a request (75 keys),
+    # straddle two blocks (50) or start in the second block (34); blocks wholly before them read
+    # the cache alone, the others take the new rows from k / v. The first token's store slot is
+    # garbage (skipped) while the table names its real slot, which holds NaN: a block that
+    # read a new token from the cache would show it
+    res = run_case([75, 50, 34], 3, H=4, Hkv=2, splits=splits, bad_loc=True, seed=19, config={"BLOCK_N": 16})
+    _check(res, torch.float32, bs=3, q_len=3, bad_loc=True)
+
+
 def test_many_splits_merge_in_order_with_empty_splits():
     # 16 splits of 16 keys over 23 / 40 / 9 keys: most splits of each group are empty (m = -1e30,
     # l = 0) and the merge must pass over them; with sinks, the sink joins the denominator once
     res = run_case([23, 40, 9], 1, splits=16, with_sinks=True, seed=11)
     _check(res, torch.float32, bs=3, q_len=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_rows_merge_many_splits_in_several_trips(dtype):
+    # 4 drafts x 4 q heads per kv head = 16 rows: a merge holds MERGE_ROWS (split, row) pairs at
+    # once, so 16 splits are merged in 4 trips of 4; each trip must fold the right splits, in
+    # order (the splits' outputs kept in bf16 for a bf16 step)
+    keep: dict = {}
+    res = run_case([300, 97], 4, dtype=dtype, window=70, splits=16, with_sinks=True, seed=17, keep=keep)
+    _check(res, dtype, bs=2, q_len=4)
+    assert keep["plan"]["ROWS"] * 16 > MERGE_ROWS, "the case must need more than one merge trip"
 
 
 def test_a_loose_host_bound_still_gives_every_split_keys():
@@ -248,12 +272,23 @@ def test_plan_and_eligibility():
     p = plan_store_attend(
         num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["num_splits"] == 2 and p["BLOCK_N"] == 128 and p["num_stages"] == 2  # several: pipelined
+    assert p["num_splits"] == 2 and p["BLOCK_N"] == 128 and p["num_stages"] == 1  # five blocks: one stage
+    p = plan_store_attend(
+        num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=8192, window=None, num_sms=132
+    )
+    assert p["num_splits"] == 2 and p["num_stages"] == 2  # 32 blocks a program: pipelined
     assert eligible(8, 8, 1, 4, 132) and not eligible(16, 8, 1, 4, 132)  # two splits per group at least
     assert eligible(1, 8, 4, 4, 132) and MAX_ROWS == 16  # 4 drafts x 4 heads: one launch
     assert not eligible(1, 8, 5, 4, 132)  # 5 drafts x 4 heads: the two-launch path
-    # 16 rows: the merge holds at most MERGE_ROWS (split, row) pairs, so at most 4 splits
+    # 16 rows split as far as decode does; the merge takes MERGE_ROWS (split, row) pairs a trip
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["ROWS"] == p["BLOCK_M"] == 16 and p["num_splits"] == 4
+    assert p["ROWS"] == p["BLOCK_M"] == 16 and p["num_splits"] == 16 and p["BLOCK_N"] == 64
+    assert p["MERGE_CHUNK"] * p["ROWS"] == MERGE_ROWS
+    # a window-bounded span is the real range: one block covers a split's share as the kernel
+    # cuts it (259 keys over 8 splits: 33 keys, cut in 48-key steps, one 64-key block)
+    p = plan_store_attend(
+        num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=256, num_sms=132
+    )
+    assert p["num_splits"] == 8 and p["BLOCK_N"] == 64 and p["num_stages"] == 1

@@ -13,13 +13,18 @@ launches, not bandwidth; this kernel shortens the chain:
 * the KV range of a request is cut into ``NUM_SPLITS`` chunks (their count sized from host
   bounds so the grid fills the GPU even at batch 1, their length from the request's real
   range, in whole 16-key steps: flash-decoding); each program writes a partial
-  ``(m, l, acc)``, and the LAST program of the group to finish (an atomic ticket per group)
-  merges the partials and writes the output: no second launch. The merge folds the splits in
-  order, each thread over its own (row, head-dim) elements of every split, so the loads of
-  all splits are in flight together and no thread waits for another. The ticket counters
+  ``(m, l, acc / l)`` (the normalised part in the output's dtype: half the bytes the merge
+  reads for 16-bit outputs), and the LAST program of the group to finish (an atomic ticket
+  per group) merges the partials and writes the output: no second launch. The merge folds the
+  splits in order, ``MERGE_ROWS`` (split, row) pairs a trip, each thread over its own (row,
+  head-dim) elements, so a trip's loads are in flight together and no thread waits for
+  another. The ticket counters
   return to zero in the same launch, so the kernel can be replayed from a graph any number
   of times;
-* K and V of a key block are requested together before any arithmetic.
+* K and V of a key block are requested together before any arithmetic. In the first block,
+  read before the wait, the step's own rows are loaded over the cached ones in place (a
+  masked load whose other value is the prologue's tile), so the block is held once, not
+  twice (registers and shared memory: ``benchmarks/store_attend_resources.py``).
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots, ``R`` table rows):
@@ -91,9 +96,11 @@ MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 32
 #: split until the grid has about this many programs per SM
 PROGRAMS_PER_SM = 1
-#: most (split, row) pairs the merge holds at once (each thread keeps its share of every
-#: split's partial in registers)
+#: most (split, row) pairs the merge holds at once (each thread keeps its share of that many
+#: partial rows in registers; more splits are merged in several trips)
 MERGE_ROWS = 64
+#: most (split, row) pairs one merge reads: the split count stops there
+MERGE_READS = 256
 
 ensure_interpreter_compat()
 
@@ -187,6 +194,7 @@ def _store_attend_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,  # splits merged per trip of the merge loop (divides NUM_SPLITS)
     HAS_WINDOW: tl.constexpr,
     HAS_TABLE_START: tl.constexpr,
     STORE: tl.constexpr,
@@ -282,13 +290,11 @@ def _store_attend_kernel(
     new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
     if STORE:  # keys of the step's own tokens: the rows being stored, read from k / v
         n_row = (q_start + offs_n - new0).to(tl.int64)
-        k_new = tl.load(KNew + n_row[:, None] * stride_knt + kv_col[None, :], mask=new_mask, other=0.0)
-        v_new = tl.load(VNew + n_row[:, None] * stride_vnt + kv_col[None, :], mask=new_mask, other=0.0)
+        k = tl.load(KNew + n_row[:, None] * stride_knt + kv_col[None, :], mask=new_mask, other=k_old)
+        v = tl.load(VNew + n_row[:, None] * stride_vnt + kv_col[None, :], mask=new_mask, other=v_old)
     else:
-        k_new = tl.load(K + kv_off, mask=new_mask, other=0.0)
-        v_new = tl.load(V + kv_off, mask=new_mask, other=0.0)
-    k = tl.where(is_new[:, None], k_new, k_old)
-    v = tl.where(is_new[:, None], v_new, v_old)
+        k = tl.load(K + kv_off, mask=new_mask, other=k_old)
+        v = tl.load(V + kv_off, mask=new_mask, other=v_old)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -355,17 +361,23 @@ def _store_attend_kernel(
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rd_mask)
     else:
-        # workspace: m [groups, splits, ROWS], then l (same), then acc [groups, splits, ROWS, D];
-        # only the first ROWS rows of the tile are real (ROWS >= q_len * G)
+        # workspace: m [groups, splits, ROWS], then l (same), then the split's normalised output
+        # acc / l [groups, splits, ROWS, D] in Out's dtype (what the merge reads most of: half the
+        # bytes for 16-bit outputs); only the first ROWS rows of the tile are real (ROWS >= q_len * G)
         n_ml = num_groups * NUM_SPLITS * ROWS
         WorkL = Work + n_ml
-        WorkAcc = Work + 2 * n_ml
+        WorkAcc = (Work + 2 * n_ml).to(tl.pointer_type(Out.dtype.element_ty))
         gbase = pid_g.to(tl.int64) * NUM_SPLITS * ROWS
         prow = gbase + pid_s * ROWS + offs_m
         keep_row = offs_m < ROWS
+        part = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(Work + prow, m_i, mask=keep_row)
         tl.store(WorkL + prow, l_i, mask=keep_row)
-        tl.store(WorkAcc + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep_row[:, None] & d_valid[None, :])
+        tl.store(
+            WorkAcc + prow[:, None] * HEAD_DIM + offs_d[None, :],
+            part.to(Out.dtype.element_ty),
+            mask=keep_row[:, None] & d_valid[None, :],
+        )
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         ticket = tl.atomic_add(Tickets + pid_g, 1, sem="acq_rel")
         if ticket == NUM_SPLITS - 1:  # the last program of the group merges the splits, in order
@@ -378,19 +390,22 @@ def _store_attend_kernel(
             m_run = tl.full([ROWS], -1.0e30, dtype=tl.float32)
             total = tl.zeros([ROWS], dtype=tl.float32)
             merged = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-            for s in tl.static_range(NUM_SPLITS):
-                srow = gbase + s * ROWS + offs_r
-                m_s = tl.load(Work + srow, cache_modifier=".cg")
-                l_s = tl.load(WorkL + srow, cache_modifier=".cg")
-                a_s = tl.load(
-                    WorkAcc + srow[:, None] * HEAD_DIM + offs_d[None, :], mask=d_valid[None, :], cache_modifier=".cg"
-                )
-                m_new = tl.maximum(m_run, m_s)
-                alpha = tl.math.exp2(m_run - m_new)
-                w = tl.math.exp2(m_s - m_new)
-                total = total * alpha + w * l_s
-                merged = merged * alpha[:, None] + a_s * w[:, None]
-                m_run = m_new
+            for c in range(NUM_SPLITS // MERGE_CHUNK):  # MERGE_CHUNK splits' loads in flight at once
+                for s in tl.static_range(MERGE_CHUNK):
+                    srow = gbase + (c * MERGE_CHUNK + s) * ROWS + offs_r
+                    m_s = tl.load(Work + srow, cache_modifier=".cg")
+                    l_s = tl.load(WorkL + srow, cache_modifier=".cg")
+                    a_s = tl.load(
+                        WorkAcc + srow[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=d_valid[None, :],
+                        cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m_run, m_s)
+                    alpha = tl.math.exp2(m_run - m_new)
+                    w = tl.math.exp2(m_s - m_new)
+                    total = total * alpha + w * l_s
+                    merged = merged * alpha[:, None] + a_s.to(tl.float32) * (w * l_s)[:, None]
+                    m_run = m_new
             if HAS_SINKS:
                 r_sink = tl.load(Sinks + r_head, mask=r_valid, other=0.0) * 1.4426950408889634
                 m_fin = tl.maximum(m_run, r_sink)
@@ -430,32 +445,45 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     groups = max(1, num_reqs * num_kv_heads)
     # Measured on an H200 (48-layer hybrid step, bf16, D=128, 8 kv heads, W=256, 1024 keys):
     # the best split count keeps the grid within one program per SM and a split at >= 32 keys
-    # (bs 1: 8 splits of 32 keys on SWA layers, 16 of 64 on full layers; bs 8: 2 splits).
+    # (bs 1: 8 splits of 32 keys on SWA layers, 16 of 64 on full layers; bs 8: 2 splits), and
+    # 4-draft steps (16 rows) split as far as decode does (bs 1: 16 splits on full layers, 8 on
+    # SWA layers; the merge takes MERGE_ROWS (split, row) pairs a trip).
     splits = 1
     while (
         splits * 2 <= MAX_SPLITS
         and groups * splits * 2 <= PROGRAMS_PER_SM * num_sms
         and span >= splits * 2 * MIN_KEYS_PER_SPLIT
-        and splits * 2 * rows <= MERGE_ROWS
+        and splits * 2 * rows <= MERGE_READS
     ):
         splits *= 2
-    # one key block covers a split's keys where it can (each loop trip is a dependent chain), no
-    # wider than the split's share: the largest power of two within it (an H200, bs 1, full
-    # layers: 64 keys for a 68-key share, 201.6 against 222.6 us per step with a half-empty 128)
+    # one key block covers a split's keys where it can (each loop trip is a dependent chain).
+    # A span set by the window is the real range: the block covers a split's share as the kernel
+    # cuts it (whole 16-key steps: 4-draft steps' SWA shares of 33 keys take one 64-key block).
+    # A span from ``max_kv_len`` is a host bound, often loose: the largest power of two within
+    # the share (an H200, bs 1 decode, full layers, a 68-key share of 1,088: 201.6 us per step
+    # with 64, 222.6 with a half-empty 128). With both rules and the split counts above, 4-draft
+    # steps at bs 1 ran in 276.0 us per whole step against 383.0 us with at most 4 splits at
+    # 16 rows (``hybrid_step``, two runs on an H200)
     share = triton.cdiv(span, splits)
-    block_n = max(16, min(triton.next_power_of_2(share + 1) // 2, 128 if block_d <= 128 else 64))
+    if window is not None and span == max(1, max_q_len) + window - 1:
+        block_n = triton.next_power_of_2(triton.cdiv(share, 16) * 16)
+    else:
+        block_n = triton.next_power_of_2(share + 1) // 2
+    block_n = max(16, min(block_n, 128 if block_d <= 128 else 64))
     return tuple(
         dict(
             BLOCK_M=max(16, rows),
             ROWS=rows,
             BLOCK_N=block_n,
             num_warps=8 if block_n * block_d >= 128 * 128 else 4,
-            # software pipelining only where a split's share (by the host bound) holds two key
-            # blocks or more. An H200, 48-layer step: with one block per program (bs 1; bs 8
-            # SWA layers) one stage ran 1.16x (bs 1) and 1.07x (bs 8) faster than two; with
-            # four (bs 8 full layers) two stages took the step from 474.9 to 464.3 us
-            num_stages=2 if share >= 2 * block_n else 1,
+            # software pipelining only where a split's share (by the host bound) holds more
+            # than eight key blocks. An H200, 48-layer step: with one block per program (bs 1;
+            # bs 8 SWA layers) one stage ran 1.16x (bs 1) and 1.07x (bs 8) faster than two;
+            # with four or five (bs 8 full layers, 1,025 keys) one stage ran the 48 launches in
+            # 411.5 against 427.2 us with two
+            num_stages=2 if share > 8 * block_n else 1,
             num_splits=splits,
+            MERGE_CHUNK=max(1, min(splits, MERGE_ROWS // rows)),
         ).items()
     )
 
@@ -581,10 +609,14 @@ def store_attend(
     groups = bs * hkv
     if splits > 1:
         assert splits & (splits - 1) == 0, f"num_splits must be a power of two, got {splits}"
+        chunk = plan["MERGE_CHUNK"] = min(int(plan["MERGE_CHUNK"]), splits)
+        assert chunk >= 1 and splits % chunk == 0, f"MERGE_CHUNK must divide num_splits {splits}, got {chunk}"
         need = groups * splits * plan["ROWS"] * (D + 2)
         assert workspace.numel() >= need, f"workspace needs >= {need} fp32 elements, has {workspace.numel()}"
         assert tickets.numel() >= groups, f"tickets needs >= {groups} int32 elements, has {tickets.numel()}"
     extra = {"launch_pdl": True} if pdl else {}
+    if plan.get("maxnreg"):
+        extra["maxnreg"] = plan["maxnreg"]
     _store_attend_kernel[(groups, splits)](
         q,
         k,
@@ -624,6 +656,7 @@ def store_attend(
         BLOCK_T=max(1, triton.next_power_of_2(max(1, max_q_len))),
         BLOCK_N=plan["BLOCK_N"],
         NUM_SPLITS=splits,
+        MERGE_CHUNK=plan["MERGE_CHUNK"],
         HAS_WINDOW=window is not None,
         HAS_TABLE_START=table_start is not None,
         STORE=loc is not None,
