@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Where a one-launch layer's time goes, inside a captured PDL graph of a whole hybrid step.
 
-    python benchmarks/layer_timeline.py [--bs 1 8] [--out DIR] [--config KEY=VALUE ...]
-                                        [--config-full KEY=VALUE ...] [--config-swa KEY=VALUE ...]
+    python benchmarks/layer_timeline.py [--bs 1 8] [--mode decode|draft] [--context N] [--out DIR]
+                                        [--config KEY=VALUE ...] [--config-full KEY=VALUE ...]
+                                        [--config-swa KEY=VALUE ...]
+                                        [--variant 'LABEL KEY=VALUE ...' ...] [--stamps]
 
-The world of ``hybrid_step`` (48 layers, 36 SWA with W 256 and 12 full, context 1024,
-32 q / 8 KV heads, D 128, bf16), one DECODE step at each ``--bs``, its 48 ``store_attend``
+The world of ``hybrid_step`` (48 layers, 36 SWA with W 256 and 12 full, context 1024 or ``--context``,
+32 q / 8 KV heads, D 128, bf16), one DECODE step (``--mode draft``: DRAFT_EXTEND, 4 drafts)
+at each ``--bs``, its 48 ``store_attend``
 launches captured in one CUDA graph (PDL on). An instrumented copy of ``store_attend`` is
 built from the plugin's source: each program writes ``%globaltimer`` at six points
 
@@ -22,9 +25,14 @@ many programs and layers are what to read. The step's graph replay is also timed
 events, median of 5 x 200 replays), with and without the stamps.
 
 ``--config`` overrides keys of the kernel's plan (``num_stages``, ``BLOCK_N``,
-``num_splits``, ``num_warps``) on every layer, ``--config-full`` / ``--config-swa`` on one
-kind; ``--out DIR`` also writes one per-layer table per batch size. Needs a CUDA GPU with
-PDL (sm_90).
+``num_splits``, ``num_warps``, ``maxnreg``) on every layer, ``--config-full`` /
+``--config-swa`` on one kind; ``--out DIR`` also writes one per-layer table per batch size.
+
+``--variant 'LABEL KEY=INT full.KEY=INT swa.KEY=INT ...'`` (repeatable) times plan variants
+in the same run, on the same world: the plan as ``--config*`` leaves it first (``plan``),
+then each variant on top of it, each row with the step time and the largest difference of
+the last layer's output from the plan's; ``--stamps`` adds each variant's phases. Needs a
+CUDA GPU with PDL (sm_90).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import os
 import statistics
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for sub in ("plugins/cuda", "core"):
@@ -139,19 +147,20 @@ def instrumented_store_attend():
     return module
 
 
-def _world(bs: int):
+def _world(bs: int, mode: str, context: int = CONTEXT):
     from attnplug import ForwardMode
     from attnplug.bench.world import build_world, make_step
     from attnplug_cuda.backend import CudaBackend
 
-    world = build_world(num_layers=NUM_LAYERS, max_bs=bs, context=CONTEXT, window=WINDOW, device="cuda")
+    world = build_world(num_layers=NUM_LAYERS, max_bs=bs, context=context, window=WINDOW, device="cuda")
     backend = CudaBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW)
-    batch = world.batch(ForwardMode.DECODE, bs, with_cpu=False)
+    batch = world.batch(ForwardMode.DECODE if mode == "decode" else ForwardMode.DRAFT_EXTEND, bs, with_cpu=False)
     return world, backend, batch, make_step(backend, world, batch.num_tokens)
 
 
 def _graph(backend, batch, step, kernel, trace, config, config_full, config_swa):
-    """The step's 48 layers in one CUDA graph, every layer through ``kernel.store_attend``."""
+    """The step's 48 layers in one CUDA graph, every layer through ``kernel.store_attend``:
+    ``(graph, the last layer's output)``."""
     calls = [0]
 
     def store_attend(*args, **kwargs):
@@ -171,9 +180,9 @@ def _graph(backend, batch, step, kernel, trace, config, config_full, config_swa)
     graph = torch.cuda.CUDAGraph()
     backend._after_metadata = True
     with torch.cuda.graph(graph):
-        step(batch, {})
+        out = step(batch, {})
     torch.cuda.synchronize()
-    return graph
+    return graph, out
 
 
 def _replay_us(graph, replays: int = 200, repeats: int = 5) -> float:
@@ -247,43 +256,105 @@ def _table(layers: List[dict], is_swa: List[bool]) -> str:
 def _parse(pairs: Optional[List[str]]) -> dict:
     out = {}
     for pair in pairs or []:
-        key, _, value = pair.partition("=")
-        out[key] = int(value)
+        key, eq, value = pair.partition("=")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"plan key {pair!r}: expected KEY=INT") from None
+        if not eq or not key:
+            raise ValueError(f"plan key {pair!r}: expected KEY=INT")
     return out
+
+
+def parse_variant(text: str) -> Tuple[str, Tuple[dict, dict, dict]]:
+    """``'LABEL KEY=INT full.KEY=INT swa.KEY=INT ...'`` -> ``(label, (every layer, full
+    layers, SWA layers))``."""
+    label, *pairs = text.split()
+    if "=" in label:
+        raise ValueError(f"variant {text!r}: starts with a label, then KEY=INT pairs")
+    scoped: Dict[str, List[str]] = {"": [], "full": [], "swa": []}
+    for pair in pairs:
+        scope, dot, rest = pair.partition(".")
+        if dot and scope in ("full", "swa"):
+            scoped[scope].append(rest)
+        else:
+            scoped[""].append(pair)
+    return label, (_parse(scoped[""]), _parse(scoped["full"]), _parse(scoped["swa"]))
+
+
+def _stacked(base: Tuple[dict, dict, dict], extra: Tuple[dict, dict, dict]) -> Tuple[dict, dict, dict]:
+    return tuple(dict(b, **e) for b, e in zip(base, extra))
+
+
+def _phases(backend, batch, step, kernel, world, bs, mode, label, configs, out_dir) -> None:
+    """One stamped replay of the step under ``configs``: the phase averages printed, the
+    per-layer table written to ``out_dir``."""
+    is_swa = [world.pool.is_swa_layer(layer) for layer in range(NUM_LAYERS)]
+    programs = kernel.max_split_programs(kernel.num_sms(torch.device("cuda")))
+    trace = torch.zeros(NUM_LAYERS, programs, 8, dtype=torch.int64, device="cuda")
+    graph, _ = _graph(backend, batch, step, kernel, trace, *configs)
+    stamped = _replay_us(graph)
+    trace.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    layers = _layers(trace)
+    print(f"{mode} bs={bs} {label}: with stamps {stamped:.1f} us")
+    for kind, phases in summary(layers, is_swa).items():
+        print(f"{mode} bs={bs} {label} {kind:4s} " + json.dumps({k: round(v) for k, v in phases.items()}))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        name = f"timeline_{mode}_bs{bs}.txt" if label == "plan" else f"timeline_{mode}_bs{bs}_{label}.txt"
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(_table(layers, is_swa))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--mode", choices=("decode", "draft"), default="decode", help="DECODE or DRAFT_EXTEND (4 drafts)"
+    )
+    parser.add_argument("--context", type=int, default=CONTEXT, help=f"keys of each request (default {CONTEXT})")
     parser.add_argument("--config", nargs="*", help="plan keys for every layer, KEY=INT")
     parser.add_argument("--config-full", nargs="*", help="plan keys for full layers, KEY=INT")
     parser.add_argument("--config-swa", nargs="*", help="plan keys for SWA layers, KEY=INT")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'LABEL KEY=INT ...'",
+        help="a plan variant timed in the same run (KEY, full.KEY, swa.KEY; repeatable)",
+    )
+    parser.add_argument("--stamps", action="store_true", help="with --variant: every variant's phases too")
     parser.add_argument("--out", help="directory for the per-layer tables")
     args = parser.parse_args(argv)
+    try:
+        base = (_parse(args.config), _parse(args.config_full), _parse(args.config_swa))
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         print("layer_timeline needs a CUDA GPU", file=sys.stderr)
         return 2
     kernel = instrumented_store_attend()
-    configs = (_parse(args.config), _parse(args.config_full), _parse(args.config_swa))
     for bs in args.bs:
-        world, backend, batch, step = _world(bs)
-        is_swa = [world.pool.is_swa_layer(layer) for layer in range(NUM_LAYERS)]
-        programs = kernel.max_split_programs(kernel.num_sms(torch.device("cuda")))
-        trace = torch.zeros(NUM_LAYERS, programs, 8, dtype=torch.int64, device="cuda")
-        plain = _replay_us(_graph(backend, batch, step, kernel, None, *configs))
-        graph = _graph(backend, batch, step, kernel, trace, *configs)
-        stamped = _replay_us(graph)
-        trace.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        layers = _layers(trace)
-        print(f"bs={bs}: step {plain:.1f} us ({plain / NUM_LAYERS:.2f} us a layer); with stamps {stamped:.1f} us")
-        for kind, phases in summary(layers, is_swa).items():
-            print(f"bs={bs} {kind:4s} " + json.dumps({k: round(v) for k, v in phases.items()}))
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"timeline_bs{bs}.txt"), "w") as f:
-                f.write(_table(layers, is_swa))
+        world, backend, batch, step = _world(bs, args.mode, args.context)
+        graph, ref = _graph(backend, batch, step, kernel, None, *base)
+        plain = _replay_us(graph)
+        ref = ref.clone()
+        print(f"{args.mode} bs={bs}: step {plain:.1f} us ({plain / NUM_LAYERS:.2f} us a layer)")
+        if not variants or args.stamps:
+            _phases(backend, batch, step, kernel, world, bs, args.mode, "plan", base, args.out)
+        del graph
+        for label, extra in variants:
+            configs = _stacked(base, extra)
+            graph, out = _graph(backend, batch, step, kernel, None, *configs)
+            us = _replay_us(graph)
+            diff = (out.float() - ref.float()).abs().max().item()
+            print(f"{args.mode} bs={bs} {label}: step {us:.1f} us ({plain / us:.3f}x the plan); output diff {diff:.2e}")
+            del graph
+            if args.stamps:
+                _phases(backend, batch, step, kernel, world, bs, args.mode, label, configs, args.out)
     return 0
 
 

@@ -46,3 +46,16 @@ def test_phases_and_period_from_stamps():
     assert full["programs"] == 2
     assert full["period"] == 5000  # the next layer's first wait (10000) - this one's (5000)
     assert full["end_to_next_wait"] == 2700
+
+
+def test_variants_parse_into_every_layer_full_and_swa_keys():
+    script = _script()
+    label, (every, full, swa) = script.parse_variant("regs128 maxnreg=128 full.num_splits=4 swa.BLOCK_N=64")
+    assert label == "regs128"
+    assert every == {"maxnreg": 128} and full == {"num_splits": 4} and swa == {"BLOCK_N": 64}
+    # a variant stacks on the --config* plan: its keys win, the others stay
+    stacked = script._stacked(({"num_stages": 1}, {"num_splits": 2}, {}), (every, full, swa))
+    assert stacked == ({"num_stages": 1, "maxnreg": 128}, {"num_splits": 4}, {"BLOCK_N": 64})
+    for bad in ("maxnreg=128", "w4 num_warps=four", "w4 num_warps"):
+        with pytest.raises(ValueError, match="KEY=INT|label"):
+            script.parse_variant(bad)
