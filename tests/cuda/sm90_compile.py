@@ -7,7 +7,9 @@ cuda backend through the launches a serving loop makes (EXTEND, eager DECODE on 
 small-step path, graph capture and replay of DECODE and TARGET_VERIFY, with and without
 soft-capping and sinks, SWA and full layers), records each ``kernel[grid](...)`` launch instead
 of running it, and compiles every distinct (kernel, argument types, constexprs, options) for
-``GPUTarget("cuda", 90, 32)`` down to a cubin with the ptxas Triton ships.
+``GPUTarget("cuda", 90, 32)`` down to a cubin with the ptxas Triton ships, specialised as the
+GPU's launch would be (``attnplug_cuda.bench.offline_compile``: pointer alignment and
+divisibility by 16 read off the recorded arguments).
 
 Run with ``TRITON_INTERPRET`` unset (the kernels must be real ``JITFunction``s):
 ``python tests/cuda/sm90_compile.py``; prints one line per compiled launch, exit code 1 when
@@ -18,58 +20,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import List
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
-_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-_TYPES = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.bool: "i1",
-}
-launches: Dict[tuple, Tuple[JITFunction, dict, dict, dict]] = {}
-
-
-def _type_of(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"unexpected kernel argument {value!r}")
-
-
-def _record(self: JITFunction, *args, grid, warmup=False, **kwargs):
-    """Stands in for ``JITFunction.run``: records the launch, runs nothing."""
-    bound = dict(zip(self.arg_names, args))
-    bound.update((k, v) for k, v in kwargs.items() if k in self.arg_names)
-    constexprs = {name: bound[name] for name, p in zip(self.arg_names, self.params) if p.is_constexpr}
-    signature = {
-        name: ("constexpr" if p.is_constexpr else _type_of(bound[name])) for name, p in zip(self.arg_names, self.params)
-    }
-    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-    key = (
-        self.fn.__name__,
-        tuple(sorted(signature.items())),
-        tuple(sorted(constexprs.items())),
-        tuple(options.items()),
-    )
-    launches.setdefault(key, (self, signature, constexprs, options))
-    return None
+from attnplug_cuda.bench.offline_compile import compile_launch, record_launches, signature_key  # noqa: E402
 
 
 def drive() -> None:
@@ -116,19 +73,21 @@ def drive() -> None:
 
 
 def main() -> int:
-    JITFunction.run = _record
-    try:
-        drive()
-    except Exception as exc:  # the drive itself must not fail: it is what a serving loop does
-        print(f"FAILED to drive the backend: {type(exc).__name__}: {exc}", flush=True)
-        raise
-    failures: List[str] = []
-    for key, (fn, signature, constexprs, options) in launches.items():
-        names = list(signature)
-        src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-        label = f"{key[0]} {', '.join(f'{k}={v}' for k, v in sorted(constexprs.items()))} {options}"
+    with record_launches() as recorded:
         try:
-            triton.compile(src, target=TARGET, options=options)
+            drive()
+        except Exception as exc:  # the drive itself must not fail: it is what a serving loop does
+            print(f"FAILED to drive the backend: {type(exc).__name__}: {exc}", flush=True)
+            raise
+    launches = {}
+    for launch in recorded:
+        launches.setdefault(signature_key(launch), launch)
+    failures: List[str] = []
+    for key, launch in launches.items():
+        name, constexprs, _, options = key
+        label = f"{name} {', '.join(f'{k}={v}' for k, v in constexprs)} {dict(options)}"
+        try:
+            compile_launch(launch)
             print(f"ok     {label}", flush=True)
         except Exception as exc:
             failures.append(label)

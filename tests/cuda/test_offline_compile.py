@@ -1,0 +1,44 @@
+"""attnplug_cuda.bench.offline_compile and benchmarks/store_attend_resources.py on a machine
+without a GPU: a recorded launch is compiled with the specialisation its arguments give (the
+alignment a GPU launch would see), and the resource table of the one-launch layers' kernel."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+HERE = os.path.dirname(__file__)
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _run(*argv):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_a_launch_compiles_with_the_alignment_of_its_arguments():
+    result = json.loads(_run(os.path.join(HERE, "offline_compile_probe.py")).strip().splitlines()[-1])
+    # 16-byte aligned bf16 rows: one 16-byte load per thread; shifted by one element: none
+    assert result["aligned"]["wide_loads"] >= 1, result
+    assert result["misaligned"]["wide_loads"] == 0, result
+    for r in result.values():
+        assert r["threads"] == 128 and r["registers"] > 0 and r["programs_per_sm"] >= 1
+
+
+def test_store_attend_resources_table():
+    out = _run(os.path.join(REPO, "benchmarks", "store_attend_resources.py"), "--bs", "1", "--mode", "decode")
+    header, *rows = [line.split() for line in out.strip().splitlines()]
+    assert header[:4] == ["mode", "bs", "layer", "variant"] and header[-1] == "programs_per_sm"
+    by_layer = {row[2]: dict(zip(header, row)) for row in rows}
+    assert set(by_layer) == {"swa", "full"}, out
+    # the plans of a bs 1 decode step on 132 SMs (test_plan_and_eligibility states them too)
+    assert by_layer["swa"]["splits"] == "8" and by_layer["full"]["splits"] == "16"
+    for row in by_layer.values():
+        assert 0 < int(row["registers"]) <= 255 and int(row["shared_bytes"]) > 0 and int(row["programs_per_sm"]) >= 1
