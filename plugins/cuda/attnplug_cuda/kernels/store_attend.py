@@ -557,7 +557,8 @@ def store_attend(
     previous kernel did not write those: never the first launch after the kernel that writes
     the step's metadata. ``release_early`` (with ``pdl``): release the next launch right after
     ``gdc_wait`` rather than after the last store.
-    ``config`` overrides keys of the plan (tests, benchmarks).
+    ``config`` overrides keys of the plan (tests, benchmarks); a ``maxnreg`` key caps the
+    registers per thread.
     """
     T, H, D, hkv, G, bs = check_attention_args(
         q,
