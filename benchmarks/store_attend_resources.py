@@ -83,11 +83,11 @@ def rows(bs_list, modes, variants) -> List[Dict[str, object]]:
             for label, configs in variants:
                 seen = set()
                 for kind, launch in _launches(bs, mode, configs):
-                    key = (kind, signature_key(launch))
-                    if key in seen:
+                    key = signature_key(launch)
+                    if (kind, key) in seen:
                         continue
-                    seen.add(key)
-                    c = dict(signature_key(launch)[1])
+                    seen.add((kind, key))
+                    c = dict(key[1])  # the constexprs
                     grid = launch.grid
                     out.append(
                         dict(

@@ -17,6 +17,7 @@ GPU's: their alignment is what the binder reads), and compiles it for
 * :func:`resources`: registers, spill stack bytes and shared memory of a compiled kernel
   (``cuobjdump --dump-resource-usage`` from Triton's NVIDIA backend), and the programs that
   fit one H100 / H200 SM by each.
+* :func:`signature_key`: what makes two recorded launches one compiled kernel.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Tuple
 
-__all__ = ["Launch", "record_launches", "compile_launch", "resources", "SM90", "SM90_SM_LIMITS"]
+__all__ = ["Launch", "record_launches", "compile_launch", "resources", "signature_key", "SM90", "SM90_SM_LIMITS"]
 
 #: a Hopper GPU (H100, H200) as Triton names it
 SM90 = ("cuda", 90, 32)
@@ -47,7 +48,6 @@ class Launch:
     args: tuple
     kwargs: dict
     grid: object = None
-    meta: Dict[str, object] = field(default_factory=dict)  # what the recorder's caller notes
 
     @property
     def name(self) -> str:
