@@ -6,6 +6,10 @@
 #   bash benchmarks/h200.sh trust   # GPU tests, conformance on cuda, the engine-loop example
 #   bash benchmarks/h200.sh soak    # 20,000-step soak of the cuda backend (graphs, PDL)
 #   bash benchmarks/h200.sh models  # transformers models through Engine on cuda, generate
+#   bash benchmarks/h200.sh timeline  # the one-launch layers: their GPU tests, then layer_timeline
+#                                     # (decode and draft, bs 1 and 8, with stamps)
+# TIMELINE_VARIANTS="'f1 full.num_stages=1' 'w4 swa.num_warps=4'" adds those plan variants to the
+# timeline stage's runs (layer_timeline.py --variant, one per quoted word).
 # BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks.
 # Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
 set -u
@@ -56,6 +60,17 @@ elif [ "$stage" = models ]; then
     --max-new-tokens 16 --graphs
   tail -16 "$out/gpu_check.log"
   tail -3 "$out/generate.log"
+elif [ "$stage" = timeline ]; then
+  eval "variants=(${TIMELINE_VARIANTS:-})"
+  vargs=()
+  for v in "${variants[@]}"; do vargs+=(--variant "$v"); done
+  [ ${#vargs[@]} -gt 0 ] && vargs+=(--stamps)
+  run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_store_attend.py \
+    tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_layer_timeline_script.py
+  run timeline_decode 200 python3 benchmarks/layer_timeline.py --bs 1 8 --out "$out/timeline" "${vargs[@]}"
+  run timeline_draft 200 python3 benchmarks/layer_timeline.py --bs 1 8 --mode draft --out "$out/timeline" "${vargs[@]}"
+  tail -2 "$out/gpu_tests.log"
+  grep -hE "step|swa |full " "$out/timeline_decode.log" "$out/timeline_draft.log"
 elif [ "$stage" = soak ]; then
   run soak 330 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"
