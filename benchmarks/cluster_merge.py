@@ -24,7 +24,7 @@ nvcc and ninja needed), then prints:
    new tokens a request;
 3. **layers**: one layer launched 20 times in a graph without PDL, ``store_attend`` against
    the cluster kernel at 1 to 16 CTAs a cluster;
-4. **phases**: the kernel rebuilt with ``ATTNPLUG_CLUSTER_STAMPS``: mean time of each phase
+4. **phases**: the kernel rebuilt with ``CLUSTER_ATTEND_STAMPS``: mean time of each phase
    of a CTA (``clock64`` cycles at ``--sm-clock-mhz``), one layer launched alone;
 5. **launch**: a graph of 48 launches of a kernel that does almost nothing (8 or 64 groups x
    1 to 16 CTAs), plain or as clusters with two cluster barriers, PDL off and on.
@@ -59,12 +59,12 @@ def build(stamps: bool):
     build_dir = env.cache_dir() / "cluster_merge" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     flags = ["-gencode=arch=compute_90,code=sm_90", "-O3", "-lineinfo"] + (
-        ["-DATTNPLUG_CLUSTER_STAMPS"] if stamps else []
+        ["-DCLUSTER_ATTEND_STAMPS"] if stamps else []
     )
     return load(
         name=name,
         sources=[str(SRC / "cluster_attend.cu"), str(SRC / "cluster_attend_binding.cpp")],
-        extra_cflags=["-O3"] + (["-DATTNPLUG_CLUSTER_STAMPS"] if stamps else []),
+        extra_cflags=["-O3"] + (["-DCLUSTER_ATTEND_STAMPS"] if stamps else []),
         extra_cuda_cflags=flags,
         extra_include_paths=[str(SRC)],
         build_directory=str(build_dir),

@@ -30,13 +30,13 @@
 
 namespace cg = cooperative_groups;
 
-#ifdef ATTNPLUG_CLUSTER_STAMPS
-__device__ long long attnplug_cluster_stamps[ATTNPLUG_CLUSTER_MAX_STAMPED_CTAS * ATTNPLUG_CLUSTER_STAMPS_PER_CTA];
+#ifdef CLUSTER_ATTEND_STAMPS
+__device__ long long attnplug_cluster_stamps[CLUSTER_ATTEND_MAX_STAMPED_CTAS * CLUSTER_ATTEND_STAMPS_PER_CTA];
 #define STAMP(i)                                                                                       \
   do {                                                                                                 \
     const unsigned cta = blockIdx.y * gridDim.x + blockIdx.x;                                          \
-    if (threadIdx.x == 0 && cta < ATTNPLUG_CLUSTER_MAX_STAMPED_CTAS)                                   \
-      attnplug_cluster_stamps[cta * ATTNPLUG_CLUSTER_STAMPS_PER_CTA + (i)] = clock64();                \
+    if (threadIdx.x == 0 && cta < CLUSTER_ATTEND_MAX_STAMPED_CTAS)                                   \
+      attnplug_cluster_stamps[cta * CLUSTER_ATTEND_STAMPS_PER_CTA + (i)] = clock64();                \
   } while (0)
 #else
 #define STAMP(i) \
@@ -559,7 +559,7 @@ cudaError_t launch_by_dim(const AttnplugClusterAttendArgs& a, cudaStream_t strea
 
 extern "C" const char* attnplug_cluster_attend_unsupported(const AttnplugClusterAttendArgs* a) {
   if (a == nullptr) return "no arguments";
-  if (a->dtype != ATTNPLUG_CLUSTER_FLOAT16 && a->dtype != ATTNPLUG_CLUSTER_BFLOAT16) return "dtype is not float16 or bfloat16";
+  if (a->dtype != CLUSTER_ATTEND_FLOAT16 && a->dtype != CLUSTER_ATTEND_BFLOAT16) return "dtype is not float16 or bfloat16";
   if (a->head_dim != 64 && a->head_dim != 128) return "head_dim is not 64 or 128";
   if (a->rows < 1 || a->rows > kRows) return "rows (new tokens x group) is not in 1..8";
   if (a->group < 1 || a->num_kv_heads < 1 || a->num_reqs < 0) return "group, num_kv_heads or num_reqs out of range";
@@ -595,7 +595,7 @@ extern "C" cudaError_t attnplug_cluster_attend_launch(const AttnplugClusterAtten
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e != cudaSuccess) return e;
   if (major < 9) return cudaErrorNotSupported;  // thread-block clusters
-  const cudaError_t err = a->dtype == ATTNPLUG_CLUSTER_FLOAT16 ? launch_by_dim<__half>(*a, stream)
+  const cudaError_t err = a->dtype == CLUSTER_ATTEND_FLOAT16 ? launch_by_dim<__half>(*a, stream)
                                                             : launch_by_dim<__nv_bfloat16>(*a, stream);
   if (err == cudaSuccess && pdl_used != nullptr) {
     *pdl_used = a->pdl;
@@ -603,9 +603,9 @@ extern "C" cudaError_t attnplug_cluster_attend_launch(const AttnplugClusterAtten
   return err;
 }
 
-#ifdef ATTNPLUG_CLUSTER_STAMPS
+#ifdef CLUSTER_ATTEND_STAMPS
 extern "C" cudaError_t attnplug_cluster_attend_read_stamps(long long* host, int n) {
-  const int most = ATTNPLUG_CLUSTER_MAX_STAMPED_CTAS * ATTNPLUG_CLUSTER_STAMPS_PER_CTA;
+  const int most = CLUSTER_ATTEND_MAX_STAMPED_CTAS * CLUSTER_ATTEND_STAMPS_PER_CTA;
   return cudaMemcpyFromSymbol(host, attnplug_cluster_stamps, static_cast<size_t>(n < most ? n : most) * sizeof(long long));
 }
 #endif

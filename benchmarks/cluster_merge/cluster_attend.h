@@ -3,7 +3,7 @@
 //
 // Free of torch headers: `nvcc -arch=sm_90 -c cluster_attend.cu` compiles it alone.
 // The torch binding is cluster_attend_binding.cpp; the script builds both with
-// torch.utils.cpp_extension.load (with -DATTNPLUG_CLUSTER_STAMPS for its phase
+// torch.utils.cpp_extension.load (with -DCLUSTER_ATTEND_STAMPS for its phase
 // timings).
 //
 // Semantics: those of the Triton store_attend kernel (kernels/store_attend.py), for
@@ -22,7 +22,7 @@
 // CTA's shared memory alive until its peers have read it. No global workspace, no
 // atomics: the merge order is fixed, so the result does not depend on timing.
 //
-// With ATTNPLUG_CLUSTER_STAMPS defined, thread 0 of every CTA records clock64() at nine
+// With CLUSTER_ATTEND_STAMPS defined, thread 0 of every CTA records clock64() at nine
 // points (entry; metadata read; table entries read and copies issued; K/V in shared
 // memory; keys folded; CTA merged; first cluster barrier passed; outputs written; second
 // barrier passed) into a device array that attnplug_cluster_attend_read_stamps copies out.
@@ -33,8 +33,8 @@
 
 // Element types (q, k, v, the caches and out share one).
 enum AttnplugClusterDtype : int {
-  ATTNPLUG_CLUSTER_FLOAT16 = 1,
-  ATTNPLUG_CLUSTER_BFLOAT16 = 2,
+  CLUSTER_ATTEND_FLOAT16 = 1,
+  CLUSTER_ATTEND_BFLOAT16 = 2,
 };
 
 extern "C" {
@@ -87,10 +87,10 @@ cudaError_t attnplug_cluster_attend_launch(const AttnplugClusterAttendArgs* a, c
 cudaError_t attnplug_cluster_launch_probe(float* out, int groups, int splits, bool cluster, bool pdl,
                                           cudaStream_t stream);
 
-#ifdef ATTNPLUG_CLUSTER_STAMPS
+#ifdef CLUSTER_ATTEND_STAMPS
 // Most CTAs whose stamps are kept (CTA (split, group) at row group * splits + split).
-#define ATTNPLUG_CLUSTER_MAX_STAMPED_CTAS 8192
-#define ATTNPLUG_CLUSTER_STAMPS_PER_CTA 9
+#define CLUSTER_ATTEND_MAX_STAMPED_CTAS 8192
+#define CLUSTER_ATTEND_STAMPS_PER_CTA 9
 // Copy the first n stamps (int64 clock64 values, 9 per CTA) to host memory.
 cudaError_t attnplug_cluster_attend_read_stamps(long long* host, int n);
 #endif

@@ -6,7 +6,7 @@
 //                  table_rows, table_start, sinks, qk_scale, softcap_log2, window, rows,
 //                  splits, pdl, prologue, release_early) -> bool
 //   launch_probe(out, groups, splits, cluster, pdl)   (cluster_attend.h)
-//   stamps(n) -> int64 tensor [n]   (built with ATTNPLUG_CLUSTER_STAMPS only)
+//   stamps(n) -> int64 tensor [n]   (built with CLUSTER_ATTEND_STAMPS only)
 // Shapes and meaning: the plugin's kernels/store_attend.py (the Triton kernel with the
 // same semantics) and cluster_attend.h. loc, table_start and sinks may be None. Returns
 // whether the launch used PDL. Nothing here syncs: the call is safe inside CUDA graph
@@ -113,8 +113,8 @@ bool cluster_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   a.splits = static_cast<int32_t>(splits);
   a.qk_scale = static_cast<float>(qk_scale);
   a.softcap_log2 = static_cast<float>(softcap_log2);
-  a.dtype = q.scalar_type() == at::kHalf ? ATTNPLUG_CLUSTER_FLOAT16
-                                         : (q.scalar_type() == at::kBFloat16 ? ATTNPLUG_CLUSTER_BFLOAT16 : -1);
+  a.dtype = q.scalar_type() == at::kHalf ? CLUSTER_ATTEND_FLOAT16
+                                         : (q.scalar_type() == at::kBFloat16 ? CLUSTER_ATTEND_BFLOAT16 : -1);
   a.loc_is_int64 = loc.has_value() && loc->scalar_type() == at::kLong;
   a.seq_lens_is_int64 = seq_lens.scalar_type() == at::kLong;
   a.table_rows_is_int64 = table_rows.scalar_type() == at::kLong;
@@ -148,7 +148,7 @@ void launch_probe(const at::Tensor& out, int64_t groups, int64_t splits, bool cl
   TORCH_CHECK(err == cudaSuccess, "attnplug cluster launch probe: ", cudaGetErrorString(err));
 }
 
-#ifdef ATTNPLUG_CLUSTER_STAMPS
+#ifdef CLUSTER_ATTEND_STAMPS
 at::Tensor stamps(int64_t n) {
   at::Tensor t = at::zeros({n}, at::kLong);
   const cudaError_t err = attnplug_cluster_attend_read_stamps(reinterpret_cast<long long*>(t.data_ptr<int64_t>()),
@@ -162,7 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "One-launch small-step attention, KV splits merged in a thread-block cluster (benchmark kernel)";
   m.def("launch_probe", &launch_probe, "groups x splits CTAs doing almost nothing (cluster_attend.h)",
         py::arg("out"), py::arg("groups"), py::arg("splits"), py::arg("cluster"), py::arg("pdl"));
-#ifdef ATTNPLUG_CLUSTER_STAMPS
+#ifdef CLUSTER_ATTEND_STAMPS
   m.def("stamps", &stamps, "The first n clock64 stamps (9 per CTA)", py::arg("n"));
 #endif
   m.def("cluster_attend", &cluster_attend,

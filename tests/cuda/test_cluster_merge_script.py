@@ -20,7 +20,7 @@ CU = f"{BENCHMARKS}/cluster_merge/cluster_attend.cu"
 @needs_nvcc
 @pytest.mark.parametrize("stamps", [False, True])
 def test_kernel_compiles_for_sm90_without_torch(tmp_path, stamps):
-    flags = ["--resource-usage"] + (["-DATTNPLUG_CLUSTER_STAMPS"] if stamps else [])
+    flags = ["--resource-usage"] + (["-DCLUSTER_ATTEND_STAMPS"] if stamps else [])
     cmd = nvcc_compile_command(tmp_path / "k.o", CU, extra_flags=flags)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout}\n{proc.stderr}"
