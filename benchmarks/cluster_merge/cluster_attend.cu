@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace cg = cooperative_groups;
 
@@ -60,39 +61,42 @@ struct Elem;
 
 template <>
 struct Elem<__half> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
+  using Pair = __half2;
+  __device__ static Pair pair(float lo, float hi) { return __floats2half2_rn(lo, hi); }
   __device__ static __half from_float(float x) { return __float2half_rn(x); }
-  __device__ static void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-  }
 };
 
 template <>
 struct Elem<__nv_bfloat16> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
+  using Pair = __nv_bfloat162;
+  __device__ static Pair pair(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
   __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-  __device__ static void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-  }
 };
+
+// Two floats as one register of two 16-bit values (lo in the low half), an MMA operand.
+template <typename T>
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  const typename Elem<T>::Pair p = Elem<T>::pair(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+// c += a * b for one m16n8k16 tile: a row-major 16x16, b column-major 16x8, c fp32 16x8.
+#define CLUSTER_ATTEND_MMA(TYPE)                                                                      \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                 \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                         \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+template <typename T>
+__device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (std::is_same<T, __half>::value) {
+    CLUSTER_ATTEND_MMA("f16");
+  } else {
+    CLUSTER_ATTEND_MMA("bf16");
+  }
+#endif
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -209,6 +213,34 @@ struct Stage {
   static constexpr int kKeys = kPassKeys / kKeysPerSweep;  // keys a thread copies
 };
 
+// One pass's table entries (into `slot`), then the copies of the cached rows of positions
+// before the step's tokens and the zero-fills of positions without a key; the step's own
+// rows are copied by the caller, after the PDL wait.
+template <typename T, int D>
+__device__ __forceinline__ void stage_cached(const AttnplugClusterAttendArgs& a, const Group& g, int base, int tid,
+                                             int chunk, int64_t kv_stride, int64_t head_col, const T* kc, const T* vc,
+                                             Shared<T, D>& sh, int64_t (&slot)[Stage<D>::kKeys]) {
+  using St = Stage<D>;
+#pragma unroll
+  for (int i = 0; i < St::kKeys; ++i) {
+    slot[i] = slot_of(a, g, base + tid / St::kChunks + i * St::kKeysPerSweep);
+  }
+#pragma unroll
+  for (int i = 0; i < St::kKeys; ++i) {
+    const int kk = tid / St::kChunks + i * St::kKeysPerSweep;
+    const int j = base + kk;
+    if (slot[i] == 0 || j < g.new0) {
+      const int64_t off = slot[i] * kv_stride + head_col;
+      const int bytes = slot[i] != 0 ? 16 : 0;
+      copy16(&sh.u.tile.k[kk][chunk * 8], kc + off, bytes);
+      copy16(&sh.u.tile.v[kk][chunk * 8], vc + off, bytes);
+    }
+    if (chunk == 0) {
+      sh.has_key[kk] = slot[i] != 0;
+    }
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) cluster_attend_kernel(const AttnplugClusterAttendArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -245,24 +277,7 @@ __global__ void __launch_bounds__(kThreads) cluster_attend_kernel(const Attnplug
   // The first pass: table entries, then copies of the cached K/V of positions before the
   // step's tokens (positions without a key zero-filled).
   int64_t slot[St::kKeys];
-#pragma unroll
-  for (int i = 0; i < St::kKeys; ++i) {
-    slot[i] = slot_of(a, g, g.s_lo + tid / St::kChunks + i * St::kKeysPerSweep);
-  }
-#pragma unroll
-  for (int i = 0; i < St::kKeys; ++i) {
-    const int kk = tid / St::kChunks + i * St::kKeysPerSweep;
-    const int j = g.s_lo + kk;
-    if (slot[i] == 0 || j < g.new0) {
-      const int64_t off = slot[i] * kv_stride + head_col;
-      const int bytes = slot[i] != 0 ? 16 : 0;
-      copy16(&sh.u.tile.k[kk][chunk * 8], kc + off, bytes);
-      copy16(&sh.u.tile.v[kk][chunk * 8], vc + off, bytes);
-    }
-    if (chunk == 0) {
-      sh.has_key[kk] = slot[i] != 0;
-    }
-  }
+  stage_cached<T, D>(a, g, g.s_lo, tid, chunk, kv_stride, head_col, kc, vc, sh, slot);
 
   STAMP(2);
   if (a.prologue) {
@@ -340,7 +355,7 @@ __global__ void __launch_bounds__(kThreads) cluster_attend_kernel(const Attnplug
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         const uint32_t aq[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
-        Elem<T>::mma(s[nt], aq, *reinterpret_cast<const uint32_t*>(krow + 16 * ks),
+        mma<T>(s[nt], aq, *reinterpret_cast<const uint32_t*>(krow + 16 * ks),
                      *reinterpret_cast<const uint32_t*>(krow + 16 * ks + 8));
       }
     }
@@ -376,7 +391,7 @@ __global__ void __launch_bounds__(kThreads) cluster_attend_kernel(const Attnplug
     l_run = l_run * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
     // P V: P from S's accumulators as the A operand (keys 2 tq, + 1 and 2 tq + 8, + 9), V
     // transposed by ldmatrix as B, two n8 tiles of head dims per load
-    const uint32_t ap[4] = {Elem<T>::pack(p[0][0], p[0][1]), 0u, Elem<T>::pack(p[1][0], p[1][1]), 0u};
+    const uint32_t ap[4] = {pack<T>(p[0][0], p[0][1]), 0u, pack<T>(p[1][0], p[1][1]), 0u};
     const int mat = lane / 8;
     const T* vrow = &sh.u.tile.v[k0 + (mat % 2) * 8 + lane % 8][(mat / 2) * 8];
 #pragma unroll
@@ -388,7 +403,7 @@ __global__ void __launch_bounds__(kThreads) cluster_attend_kernel(const Attnplug
         float* c = acc[2 * j16 + h];
         c[0] *= alpha;
         c[1] *= alpha;
-        Elem<T>::mma(c, ap, bv[2 * h], bv[2 * h + 1]);
+        mma<T>(c, ap, bv[2 * h], bv[2 * h + 1]);
       }
     }
 
@@ -398,24 +413,7 @@ __global__ void __launch_bounds__(kThreads) cluster_attend_kernel(const Attnplug
     }
     __syncthreads();  // every warp is done with the tile
     // the next pass: table entries, then copies of the cached rows
-#pragma unroll
-    for (int i = 0; i < St::kKeys; ++i) {
-      slot[i] = slot_of(a, g, base + tid / St::kChunks + i * St::kKeysPerSweep);
-    }
-#pragma unroll
-    for (int i = 0; i < St::kKeys; ++i) {
-      const int kk = tid / St::kChunks + i * St::kKeysPerSweep;
-      const int j = base + kk;
-      if (slot[i] == 0 || j < g.new0) {
-        const int64_t off = slot[i] * kv_stride + head_col;
-        const int bytes = slot[i] != 0 ? 16 : 0;
-        copy16(&sh.u.tile.k[kk][chunk * 8], kc + off, bytes);
-        copy16(&sh.u.tile.v[kk][chunk * 8], vc + off, bytes);
-      }
-      if (chunk == 0) {
-        sh.has_key[kk] = slot[i] != 0;
-      }
-    }
+    stage_cached<T, D>(a, g, base, tid, chunk, kv_stride, head_col, kc, vc, sh, slot);
   }
 
   // the CTA's partial: its warps merged through shared memory
