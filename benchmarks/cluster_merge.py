@@ -58,14 +58,12 @@ def build(stamps: bool):
     name = "attnplug_cluster_merge" + ("_stamps" if stamps else "")
     build_dir = env.cache_dir() / "cluster_merge" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-gencode=arch=compute_90,code=sm_90", "-O3", "-lineinfo"] + (
-        ["-DCLUSTER_ATTEND_STAMPS"] if stamps else []
-    )
+    switch = ["-DCLUSTER_ATTEND_STAMPS"] if stamps else []
     return load(
         name=name,
         sources=[str(SRC / "cluster_attend.cu"), str(SRC / "cluster_attend_binding.cpp")],
-        extra_cflags=["-O3"] + (["-DCLUSTER_ATTEND_STAMPS"] if stamps else []),
-        extra_cuda_cflags=flags,
+        extra_cflags=["-O3", *switch],
+        extra_cuda_cflags=["-gencode=arch=compute_90,code=sm_90", "-O3", "-lineinfo", *switch],
         extra_include_paths=[str(SRC)],
         build_directory=str(build_dir),
         verbose=False,
@@ -133,7 +131,7 @@ class World:
         dev = torch.device("cuda")
         g = torch.Generator().manual_seed(seed)
         slots = bs * CTX + 64
-        self.bs, self.q_len = bs, q_len
+        self.q_len = q_len
         rand = lambda: torch.randn(slots, HKV, D, generator=g).bfloat16().to(dev)  # noqa: E731
         self.caches = [(rand(), rand()) for _ in range(LAYERS)]
         self.full = (torch.randperm(slots - 1, generator=g)[: bs * CTX] + 1).view(bs, CTX).int().to(dev)
@@ -161,12 +159,12 @@ class World:
             )
         return dict(common, table=self.full, table_rows=self.rows, table_start=None, max_kv_len=CTX, window=None)
 
-    def step(self, attend, *, pdl=True, extra=None) -> list:
+    def step(self, attend, *, pdl=True) -> list:
         outs = []
         for i in range(LAYERS):
             out = torch.empty_like(self.q)
             kc, vc = self.caches[i]
-            args = dict(self.layer_args(i), pdl=pdl, prologue=pdl and i > 0, release_early=pdl, **(extra or {}))
+            args = dict(self.layer_args(i), pdl=pdl, prologue=pdl and i > 0, release_early=pdl)
             attend(self.q, self.k, self.v, self.loc, kc, vc, out, **args)
             outs.append(out)
         return outs
