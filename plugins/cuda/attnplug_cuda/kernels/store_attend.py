@@ -449,8 +449,16 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     # 4-draft steps (16 rows) split as far as decode does (bs 1: 16 splits on full layers, 8 on
     # SWA layers; the merge takes MERGE_ROWS (split, row) pairs a trip).
     splits = 1
+    # A window-bounded span of at most one 256-key block runs unsplit once the groups alone
+    # cover a quarter of the SMs: its grid then leaves room beside it for the next layer's
+    # programs, whose prologue overlaps this layer (an H200, 48-layer step, bs 8 decode, W 256:
+    # SWA layers 5.39 against 6.33 us a layer with two 128-key splits, the whole step 378.6
+    # against 410.4 us with the full layers' 256-key blocks below)
+    unsplit = window is not None and span == max(1, max_q_len) + window - 1 and span <= 256
+    unsplit = unsplit and 4 * groups >= num_sms
     while (
-        splits * 2 <= MAX_SPLITS
+        not unsplit
+        and splits * 2 <= MAX_SPLITS
         and groups * splits * 2 <= PROGRAMS_PER_SM * num_sms
         and span >= splits * 2 * MIN_KEYS_PER_SPLIT
         and splits * 2 * rows <= MERGE_READS
@@ -463,13 +471,17 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     # the share (an H200, bs 1 decode, full layers, a 68-key share of 1,088: 201.6 us per step
     # with 64, 222.6 with a half-empty 128). With both rules and the split counts above, 4-draft
     # steps at bs 1 ran in 276.0 us per whole step against 383.0 us with at most 4 splits at
-    # 16 rows (``hybrid_step``, two runs on an H200)
+    # 16 rows (``hybrid_step``, two runs on an H200). Blocks reach 256 keys (8 warps) for an
+    # unsplit window and for shares of 512 to 1,024 keys (2 to 4 blocks: bs 8 full layers, 544
+    # keys, 16.5 against 18.2 us a layer with 128-key blocks, the same run as above); wider
+    # shares keep 128-key blocks, pipelined
     share = triton.cdiv(span, splits)
     if window is not None and span == max(1, max_q_len) + window - 1:
         block_n = triton.next_power_of_2(triton.cdiv(share, 16) * 16)
     else:
         block_n = triton.next_power_of_2(share + 1) // 2
-    block_n = max(16, min(block_n, 128 if block_d <= 128 else 64))
+    widest = 256 if block_d <= 128 and (unsplit or 512 <= share <= 1024) else (128 if block_d <= 128 else 64)
+    block_n = max(16, min(block_n, widest))
     return tuple(
         dict(
             BLOCK_M=max(16, rows),
