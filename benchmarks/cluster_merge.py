@@ -45,6 +45,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "cluster_merge"
+CSRC_DIR = HERE.parent / "plugins" / "cuda" / "attnplug_cuda" / "csrc"  # the plugin's device helpers
 H, HKV, D, W, CTX, LAYERS = 32, 8, 128, 256, 1024, 48
 MAX_SPLITS, MIN_KEYS_PER_SPLIT, CTAS_PER_SM = 16, 32, 2
 PHASES = ("metadata", "table+issue", "kv_in_smem", "keys_folded", "cta_merge", "barrier_1", "merge+store", "barrier_2")
@@ -64,7 +65,7 @@ def build(stamps: bool):
         sources=[str(SRC / "cluster_attend.cu"), str(SRC / "cluster_attend_binding.cpp")],
         extra_cflags=["-O3", *switch],
         extra_cuda_cflags=["-gencode=arch=compute_90,code=sm_90", "-O3", "-lineinfo", *switch],
-        extra_include_paths=[str(SRC)],
+        extra_include_paths=[str(SRC), str(CSRC_DIR)],  # the plugin's attention_device.cuh
         build_directory=str(build_dir),
         verbose=False,
     )

@@ -47,9 +47,9 @@ def main() -> int:
         step = world.plan(mode, reqs, num_draft_tokens=3 if mode.is_speculative else None)
         runner.run(step.batch, step.inputs)
         world.commit(step)
-    from attnplug_cuda.cpp_ext import cpp_kv_store_status, kv_store
+    from attnplug_cuda.cpp_ext import cpp_ext_status, kv_store
 
-    ok, reason = cpp_kv_store_status()
+    ok, reason = cpp_ext_status()
     if ok:
         k = torch.randn(5, 2, 128, dtype=torch.bfloat16, device="cuda")
         kc = torch.zeros(64, 2, 128, dtype=torch.bfloat16, device="cuda")

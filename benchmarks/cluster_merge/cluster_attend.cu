@@ -1,7 +1,8 @@
 // One-launch small-step attention, KV splits merged in a thread-block cluster
 // (semantics, work split and the stamps: cluster_attend.h).
 //
-// No torch headers here: `nvcc -arch=sm_90 -c cluster_attend.cu` compiles it alone.
+// No torch headers here: `nvcc -arch=sm_90 -I plugins/cuda/attnplug_cuda/csrc -c cluster_attend.cu`
+// compiles it alone (the plugin's device helpers, attention_device.cuh, come from there).
 //
 // Inside a CTA (4 warps): a pass stages 64 keys' K and V rows in shared memory
 // (cp.async, 16 bytes a copy, zero-filled where a position holds no key), then each
@@ -23,11 +24,11 @@
 #include "cluster_attend.h"
 
 #include <cooperative_groups.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
+
+// the plugin's device helpers (plugins/cuda/attnplug_cuda/csrc on the include path)
+#include "attention_device.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -47,6 +48,8 @@ __device__ long long attnplug_cluster_stamps[CLUSTER_ATTEND_MAX_STAMPED_CTAS * C
 
 namespace {
 
+using namespace attnplug_dev;  // NOLINT: the kernel's device helpers
+
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpKeys = 16;                  // keys one warp folds per pass
@@ -55,79 +58,6 @@ constexpr int kRows = 8;                       // rows of the tile that can be r
 constexpr int kMaxSplits = 16;
 constexpr float kMinLogit = -1.0e30f;  // start of a running max: exp2 of it is 0, never NaN
 constexpr float kLog2e = 1.4426950408889634f;
-
-template <typename T>
-struct Elem;
-
-template <>
-struct Elem<__half> {
-  using Pair = __half2;
-  __device__ static Pair pair(float lo, float hi) { return __floats2half2_rn(lo, hi); }
-  __device__ static __half from_float(float x) { return __float2half_rn(x); }
-};
-
-template <>
-struct Elem<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
-  __device__ static Pair pair(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
-  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-};
-
-// Two floats as one register of two 16-bit values (lo in the low half), an MMA operand.
-template <typename T>
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  const typename Elem<T>::Pair p = Elem<T>::pair(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&p);
-}
-
-// c += a * b for one m16n8k16 tile: a row-major 16x16, b column-major 16x8, c fp32 16x8.
-#define CLUSTER_ATTEND_MMA(TYPE)                                                                      \
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                 \
-               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                         \
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-
-template <typename T>
-__device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (std::is_same<T, __half>::value) {
-    CLUSTER_ATTEND_MMA("f16");
-  } else {
-    CLUSTER_ATTEND_MMA("bf16");
-  }
-#endif
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes from global to shared memory, asynchronously; src_bytes 0 zero-fills.
-__device__ __forceinline__ void copy16(void* dst, const void* src, int src_bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copies_done() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.commit_group;\ncp.async.wait_all;\n" ::: "memory");
-#endif
-}
-
-// Four 8x8 16-bit matrices, transposed: thread 8m + r names row r of matrix m.
-__device__ __forceinline__ void ldmatrix_x4_trans(const void* row, uint32_t* d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(smem_addr(row)));
-#endif
-}
-
-__device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is64) {
-  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
-}
 
 // Shared memory of a CTA: a pass's K / V rows (padded by 16 bytes so that the rows of an
 // 8-row access fall in distinct banks), or, after the last pass, the warps' partials; and
@@ -178,15 +108,7 @@ __device__ __forceinline__ Group group_of(const AttnplugClusterAttendArgs& a, in
   }
   int kv_hi = g.q_len > 0 ? seq_len : kv_lo;
   kv_hi = max(kv_hi, kv_lo);
-  if (a.splits > 1) {
-    const int per = (kv_hi - kv_lo + a.splits - 1) / a.splits;
-    const int chunk = (per + 15) / 16 * 16;
-    g.s_lo = min(kv_lo + split * chunk, kv_hi);
-    g.s_hi = min(g.s_lo + chunk, kv_hi);
-  } else {
-    g.s_lo = kv_lo;
-    g.s_hi = kv_hi;
-  }
+  split_share(kv_lo, kv_hi, a.splits, split, &g.s_lo, &g.s_hi);
   if (t_idx < 0 || t_idx >= a.table_rows_len) {
     t_idx = 0;  // outside the table: row 0
   }
@@ -508,8 +430,6 @@ __global__ void __launch_bounds__(kThreads) cluster_attend_kernel(const Attnplug
   }
 #endif  // __CUDA_ARCH__ >= 900
 }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
 
 template <typename T, int D>
 cudaError_t launch_typed(const AttnplugClusterAttendArgs& a, cudaStream_t stream) {

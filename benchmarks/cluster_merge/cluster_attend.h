@@ -1,7 +1,8 @@
 // One-launch small-step attention whose KV splits meet in a thread-block cluster:
 // the kernel benchmarks/cluster_merge.py measures against the plugin's store_attend.
 //
-// Free of torch headers: `nvcc -arch=sm_90 -c cluster_attend.cu` compiles it alone.
+// Free of torch headers: `nvcc -arch=sm_90 -I plugins/cuda/attnplug_cuda/csrc -c cluster_attend.cu`
+// compiles it alone (the plugin's device helpers, attention_device.cuh, come from there).
 // The torch binding is cluster_attend_binding.cpp; the script builds both with
 // torch.utils.cpp_extension.load (with -DCLUSTER_ATTEND_STAMPS for its phase
 // timings).

@@ -22,6 +22,9 @@ variable                   reader                          meaning (default)
 ``ATTNPLUG_KV_STORE``      ``kv_store_kernel()``           ``triton`` or ``cpp``: the KV store
                                                            kernel of a plugin that ships both
                                                            (triton)
+``ATTNPLUG_ONE_LAUNCH``    ``one_launch_kernel()``         ``triton`` or ``cpp``: the one-launch
+                                                           small-step kernel of a plugin that
+                                                           ships both (triton)
 ``ATTNPLUG_DISABLE_CPP``   ``cpp_disabled()``              never build or load a plugin's C++
                                                            extension (off)
 ``ATTNPLUG_CPP_VERBOSE``   ``cpp_verbose()``               show the C++ extension's build (off)
@@ -55,17 +58,20 @@ __all__ = [
     "VALIDATE",
     "DISABLE_PDL",
     "KV_STORE",
+    "ONE_LAUNCH",
     "DISABLE_CPP",
     "CPP_VERBOSE",
     "CACHE_DIR",
     "DEFAULT_PROBE_TIMEOUT",
     "KV_STORE_KERNELS",
+    "ONE_LAUNCH_KERNELS",
     "backend_name",
     "plugin_allow_list",
     "probe_timeout",
     "validation_enabled",
     "pdl_disabled",
     "kv_store_kernel",
+    "one_launch_kernel",
     "cpp_disabled",
     "cpp_verbose",
     "cache_dir",
@@ -76,6 +82,8 @@ __all__ = [
 DEFAULT_PROBE_TIMEOUT = 5.0
 #: the values ``ATTNPLUG_KV_STORE`` accepts, the default first
 KV_STORE_KERNELS = ("triton", "cpp")
+#: the values ``ATTNPLUG_ONE_LAUNCH`` accepts, the default first
+ONE_LAUNCH_KERNELS = ("triton", "cpp")
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -122,6 +130,11 @@ DISABLE_PDL = EnvFlag("ATTNPLUG_DISABLE_PDL", "launch kernels without Programmat
 KV_STORE = EnvFlag(
     "ATTNPLUG_KV_STORE", "the KV store kernel of plugins that ship two: 'triton' or 'cpp'", KV_STORE_KERNELS[0]
 )
+ONE_LAUNCH = EnvFlag(
+    "ATTNPLUG_ONE_LAUNCH",
+    "the one-launch small-step kernel of plugins that ship two: 'triton' or 'cpp'",
+    ONE_LAUNCH_KERNELS[0],
+)
 DISABLE_CPP = EnvFlag("ATTNPLUG_DISABLE_CPP", "never build or load a plugin's C++ extension", "off")
 CPP_VERBOSE = EnvFlag("ATTNPLUG_CPP_VERBOSE", "print the C++ extension's build log", "off")
 CACHE_DIR = EnvFlag("ATTNPLUG_CACHE_DIR", "root of the build cache", "$XDG_CACHE_HOME/attnplug, else ~/.cache/attnplug")
@@ -129,7 +142,18 @@ CACHE_DIR = EnvFlag("ATTNPLUG_CACHE_DIR", "root of the build cache", "$XDG_CACHE
 #: every variable, by name, in the order of the module docstring's table
 FLAGS: Dict[str, EnvFlag] = {
     flag.name: flag
-    for flag in (BACKEND, PLUGINS, PROBE_TIMEOUT, VALIDATE, DISABLE_PDL, KV_STORE, DISABLE_CPP, CPP_VERBOSE, CACHE_DIR)
+    for flag in (
+        BACKEND,
+        PLUGINS,
+        PROBE_TIMEOUT,
+        VALIDATE,
+        DISABLE_PDL,
+        KV_STORE,
+        ONE_LAUNCH,
+        DISABLE_CPP,
+        CPP_VERBOSE,
+        CACHE_DIR,
+    )
 }
 
 
@@ -196,6 +220,16 @@ def kv_store_kernel() -> str:
         return KV_STORE_KERNELS[0]
     if raw.lower() not in KV_STORE_KERNELS:
         raise KV_STORE.error(raw, " or ".join(repr(k) for k in KV_STORE_KERNELS))
+    return raw.lower()
+
+
+def one_launch_kernel() -> str:
+    """``ATTNPLUG_ONE_LAUNCH``: one of ``ONE_LAUNCH_KERNELS`` (any case), default ``triton``."""
+    raw = ONE_LAUNCH.raw()
+    if raw is None:
+        return ONE_LAUNCH_KERNELS[0]
+    if raw.lower() not in ONE_LAUNCH_KERNELS:
+        raise ONE_LAUNCH.error(raw, " or ".join(repr(k) for k in ONE_LAUNCH_KERNELS))
     return raw.lower()
 
 

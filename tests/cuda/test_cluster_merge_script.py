@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from attnplug_cuda.cpp_ext import find_nvcc, nvcc_compile_command
+from attnplug_cuda.cpp_ext import CSRC_DIR, find_nvcc, nvcc_compile_command
 from scripts import BENCHMARKS, load_script
 
 NVCC = find_nvcc()
@@ -20,7 +20,7 @@ CU = f"{BENCHMARKS}/cluster_merge/cluster_attend.cu"
 @needs_nvcc
 @pytest.mark.parametrize("stamps", [False, True])
 def test_kernel_compiles_for_sm90_without_torch(tmp_path, stamps):
-    flags = ["--resource-usage"] + (["-DCLUSTER_ATTEND_STAMPS"] if stamps else [])
+    flags = ["--resource-usage", f"-I{CSRC_DIR}"] + (["-DCLUSTER_ATTEND_STAMPS"] if stamps else [])
     cmd = nvcc_compile_command(tmp_path / "k.o", CU, extra_flags=flags)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout}\n{proc.stderr}"
@@ -34,7 +34,7 @@ def test_kernel_compiles_for_sm90_without_torch(tmp_path, stamps):
 def test_ptx_has_the_cluster_merge_and_waits_before_any_store(tmp_path):
     out = tmp_path / "k.ptx"
     proc = subprocess.run(
-        [NVCC, "-arch=sm_90", "-O3", "-std=c++17", "-ptx", CU, "-o", str(out)],
+        [NVCC, "-arch=sm_90", "-O3", "-std=c++17", f"-I{CSRC_DIR}", "-ptx", CU, "-o", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,8 +1,9 @@
-"""The CUDA C++ KV store kernel (plugins/cuda/attnplug_cuda/csrc) and its build module.
+"""The CUDA C++ kernels (plugins/cuda/attnplug_cuda/csrc: the KV store, the staged one-launch
+attention) and their build module.
 
-Without a GPU (CI): the kernel compiles with a bare ``nvcc -arch=sm_90 -c``, carries sm_90
+Without a GPU (CI): each kernel compiles with a bare ``nvcc -arch=sm_90 -c``, carries sm_90
 machine code, orders its PDL calls around its memory accesses, contains no inline
-griddepcontrol asm and no torch header; ``cpp_kv_store_status()`` names why the extension is
+griddepcontrol asm and no torch header; ``cpp_ext_status()`` names why the extension is
 unavailable and never raises; importing the module is cheap.
 
 With a CUDA device and a CUDA build of torch (run on the GPU machine): the extension builds,
@@ -26,14 +27,16 @@ import torch
 from attnplug_cuda import cpp_ext
 from attnplug_cuda.cpp_ext import (
     CSRC_DIR,
+    KERNEL_SOURCES,
     KV_STORE_CU,
+    STAGED_ATTEND_CU,
     CppExtensionUnavailable,
-    cpp_kv_store_status,
+    cpp_ext_status,
+    ext_build_dir,
     find_nvcc,
-    kv_store_build_dir,
-    load_kv_store_ext,
+    load_ext,
     nvcc_compile_command,
-    try_load_kv_store_ext,
+    try_load_ext,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,16 +63,18 @@ def _run(cmd):
 
 
 @needs_nvcc
-def test_kv_store_cu_compiles_for_sm90_without_torch(tmp_path):
-    out = tmp_path / "kv_store.o"
-    cmd = nvcc_compile_command(out, extra_flags=["--resource-usage"])
-    assert "-arch=sm_90" in cmd and "-c" in cmd and str(KV_STORE_CU) in cmd
+@pytest.mark.parametrize("source", KERNEL_SOURCES, ids=lambda p: p.stem)
+def test_kernel_compiles_for_sm90_without_torch(tmp_path, source):
+    out = tmp_path / f"{source.stem}.o"
+    cmd = nvcc_compile_command(out, source, extra_flags=["--resource-usage"])
+    assert "-arch=sm_90" in cmd and "-c" in cmd and str(source) in cmd
     proc = _run(cmd)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     assert out.is_file() and out.stat().st_size > 0
-    # ptxas reports every kernel it assembled, with its target
+    # ptxas reports every kernel it assembled, with its target, and no spill
     log = proc.stdout + proc.stderr
-    assert re.search(r"Compiling entry function '\S*kv_store_kernel\S*' for 'sm_90'", log), log
+    assert re.search(rf"Compiling entry function '\S*{source.stem}_kernel\S*' for 'sm_90'", log), log
+    assert "bytes spill" in log and not re.search(r"[1-9]\d* bytes spill", log), log
 
     cuobjdump = _cuobjdump()
     if cuobjdump is not None:
@@ -78,9 +83,9 @@ def test_kv_store_cu_compiles_for_sm90_without_torch(tmp_path):
         assert "sm_90" in listing.stdout, listing.stdout
 
 
-def _ptx(tmp_path: Path, arch: str) -> str:
-    out = tmp_path / f"kv_store_{arch}.ptx"
-    cmd = [NVCC, f"-arch={arch}", "-O3", "-std=c++17", "-ptx", str(KV_STORE_CU), "-o", str(out)]
+def _ptx(tmp_path: Path, arch: str, source: Path = KV_STORE_CU) -> str:
+    out = tmp_path / f"{source.stem}_{arch}.ptx"
+    cmd = [NVCC, f"-arch={arch}", "-O3", "-std=c++17", "-ptx", str(source), "-o", str(out)]
     proc = _run(cmd)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
     return out.read_text()
@@ -115,8 +120,35 @@ def test_pdl_wait_precedes_loads_and_trigger_follows_stores(tmp_path):
 
 
 @needs_nvcc
-def test_pre_hopper_build_has_no_pdl_instructions(tmp_path):
-    assert "griddepcontrol" not in _ptx(tmp_path, "sm_80")
+def test_staged_attend_copies_before_the_pdl_wait_and_writes_only_after_it(tmp_path):
+    # the prologue issues the cached rows' copies into shared memory before the wait; every
+    # global store (the KV store, the output, the split partials) and atomic (the ticket)
+    # comes after it, and the dependents are released. Two waits per kernel: at entry
+    # without the prologue, after the prologue's copies with it. The 64-bit stores are the
+    # optional phase stamps (%globaltimer into the caller's trace buffer, which no kernel of a
+    # PDL chain reads); every other store is 8 to 128 bits wide but never 64-bit scalar
+    entries = _entries(_ptx(tmp_path, "sm_90", STAGED_ATTEND_CU))
+    assert len(entries) == 4, sorted(entries)  # fp16 / bf16 x head dim 64 / 128
+    for name, lines in entries.items():
+        stripped = [line.strip() for line in lines]
+        waits = [i for i, x in enumerate(stripped) if x.startswith("griddepcontrol.wait")]
+        writes = [
+            i
+            for i, x in enumerate(stripped)
+            if x.startswith(("st.global", "atom.global", "red.global")) and not x.startswith("st.global.u64")
+        ]
+        copies = [i for i, x in enumerate(stripped) if x.startswith("cp.async.cg.shared.global")]
+        assert len(waits) == 2, name
+        assert any(x.startswith("griddepcontrol.launch_dependents") for x in stripped), name
+        assert writes and min(writes) > max(waits), f"{name}: a global write precedes the PDL wait"
+        assert copies and min(copies) < max(waits), f"{name}: no copy is issued before the wait"
+        assert any(x.startswith("mma.sync.aligned.m16n8k16") for x in stripped), name
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", KERNEL_SOURCES, ids=lambda p: p.stem)
+def test_pre_hopper_build_has_no_pdl_instructions(tmp_path, source):
+    assert "griddepcontrol" not in _ptx(tmp_path, "sm_80", source)
 
 
 def test_sources_have_no_griddepcontrol_asm():
@@ -134,7 +166,7 @@ def test_sources_have_no_griddepcontrol_asm():
 
 
 def test_kernel_source_includes_no_torch_header():
-    for path in (KV_STORE_CU, CSRC_DIR / "kv_store.h"):
+    for path in (*KERNEL_SOURCES, CSRC_DIR / "kv_store.h", CSRC_DIR / "staged_attend.h"):
         includes = re.findall(r"^\s*#\s*include\s*[<\"]([^>\"]+)", path.read_text(), flags=re.M)
         bad = [inc for inc in includes if inc.split("/")[0] in {"torch", "ATen", "c10"}]
         assert not bad, f"{path.name} includes {bad}"
@@ -167,26 +199,26 @@ def test_nvcc_compile_command_shape(tmp_path):
 
 def test_build_dir_is_keyed_and_honours_cache_env(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(tmp_path))
-    a = kv_store_build_dir()
+    a = ext_build_dir()
     assert a.parent == tmp_path / "cpp_ext"
-    assert a.name.startswith("kv_store-")
-    assert kv_store_build_dir() == a  # stable
-    assert kv_store_build_dir([cpp_ext.SM90_GENCODE, "-O2"]) != a  # flags are in the key
+    assert a.name.startswith("kernels-")
+    assert ext_build_dir() == a  # stable
+    assert ext_build_dir([cpp_ext.SM90_GENCODE, "-O2"]) != a  # flags are in the key
 
 
 def test_disable_env_wins(monkeypatch):
     monkeypatch.setenv("ATTNPLUG_DISABLE_CPP", "1")
-    ok, reason = cpp_kv_store_status()
+    ok, reason = cpp_ext_status()
     assert not ok and "ATTNPLUG_DISABLE_CPP=1" in reason
     with pytest.raises(CppExtensionUnavailable, match="ATTNPLUG_DISABLE_CPP"):
-        load_kv_store_ext()
-    assert try_load_kv_store_ext() is None
+        load_ext()
+    assert try_load_ext() is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this test is for machines without a GPU")
 def test_status_names_the_cause_without_gpu(monkeypatch):
     monkeypatch.delenv("ATTNPLUG_DISABLE_CPP", raising=False)
-    ok, reason = cpp_kv_store_status()
+    ok, reason = cpp_ext_status()
     assert ok is False
     assert isinstance(reason, str) and reason
     if torch.version.cuda is None:
@@ -194,10 +226,10 @@ def test_status_names_the_cause_without_gpu(monkeypatch):
     else:
         causes = ("nvcc", "ninja", "no CUDA device", "without CUDA")
         assert any(c in reason for c in causes), reason
-    assert cpp_kv_store_status(build=False) == (False, reason)
-    assert try_load_kv_store_ext() is None
+    assert cpp_ext_status(build=False) == (False, reason)
+    assert try_load_ext() is None
     with pytest.raises(CppExtensionUnavailable):
-        load_kv_store_ext()
+        load_ext()
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -205,9 +237,9 @@ def test_status_names_the_cause_without_gpu(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ext():
-    module = try_load_kv_store_ext()
+    module = try_load_ext()
     if module is None:
-        pytest.skip(f"C++ kv_store extension unavailable: {cpp_kv_store_status()[1]}")
+        pytest.skip(f"C++ kv_store extension unavailable: {cpp_ext_status()[1]}")
     return module
 
 

@@ -86,3 +86,21 @@ def test_larger_steps_take_the_two_launch_path():
     step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=9)  # 9 x 2 rows > MAX_ROWS
     world.run_eager(step)
     assert world.backend.forward_metadata.fused is False
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_layers_routed_to_the_staged_kernel_match_the_two_launch_path(graphs, monkeypatch):
+    # every one-launch layer through the staged C++ kernel (asked for; FILL 0: any grid covers
+    # "the GPU"), where the extension loads; decode and 12-row draft steps, eager and replayed
+    import attnplug_cuda.staged_attend as staged
+
+    monkeypatch.setenv("ATTNPLUG_ONE_LAUNCH", "cpp")
+    monkeypatch.setattr(staged, "FILL", 0.0)
+    backend = World(SPEC, CudaBackend, DEVICE, seed=3).backend
+    if backend._staged_attend is None:
+        pytest.skip(backend.one_launch_reason)
+    for mode, drafts in ((ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 6)):
+        one, fused, kv_one = _decode_twice(CudaBackend, graphs=graphs, mode=mode, drafts=drafts)
+        two, _, kv_two = _decode_twice(TwoLaunch, graphs=graphs, mode=mode, drafts=drafts)
+        assert all(fused)
+        _assert_same(one, two, kv_one, kv_two)

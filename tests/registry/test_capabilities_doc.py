@@ -89,7 +89,7 @@ def test_info_starts_no_device_runtime_and_builds_nothing(project_registry, monk
     ):
         monkeypatch.setattr(torch.cuda, name, refuse(f"torch.cuda.{name}"))
     monkeypatch.setattr(cpp_extension, "load", refuse("torch.utils.cpp_extension.load"))
-    monkeypatch.setattr(cpp_ext, "load_kv_store_ext", refuse("cpp_ext.load_kv_store_ext"))
+    monkeypatch.setattr(cpp_ext, "load_ext", refuse("cpp_ext.load_ext"))
     monkeypatch.setenv("ATTNPLUG_KV_STORE", "cpp")
     data = cli.info_data(project_registry)
     rows = {row["name"]: row for row in data["backends"]}

@@ -6,12 +6,14 @@ window's start, each new token's position, and the window's SWA slot table (full
 translated once per step). Per layer: small decode and draft steps
 (``kernels.store_attend.eligible``: up to 16 (token, q head) rows per request, room for two KV
 splits per request and kv head) run ONE launch that stores the step's K/V, attends and merges
-its KV splits; other steps run two launches, the KV store at the hoisted slots and the
-paged attention (plus a combine launch when the KV range is split for decode). With PDL,
-each one-launch layer after a step's first reads its metadata and cached K/V before waiting
-for the previous kernel and releases the next launch right after its wait, so consecutive
-layers overlap (``store_attend``'s ``prologue`` and ``release_early``; class flags
-``pdl_prologue`` / ``pdl_release_early``).
+its KV splits: the Triton kernel ``store_attend`` (with ``ATTNPLUG_ONE_LAUNCH=cpp``, a layer
+whose CTAs cover the GPU, ``staged_attend.fills_gpu``, runs the staged CUDA C++ kernel
+``staged_attend`` instead: each CTA's keys copied into shared memory before the PDL wait). Other steps run two
+launches, the KV store at the hoisted slots and the paged attention (plus a combine launch
+when the KV range is split for decode). With PDL, each one-launch layer after a step's first
+reads its metadata and cached K/V before waiting for the previous kernel and releases the
+next launch right after its wait, so consecutive layers overlap (the kernels' ``prologue``
+and ``release_early``; class flags ``pdl_prologue`` / ``pdl_release_early``).
 
 Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
 launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).
@@ -20,10 +22,16 @@ Options (environment, read at construction):
 
 * ``ATTNPLUG_DISABLE_PDL=1``: launch without Programmatic Dependent Launch.
 * ``ATTNPLUG_KV_STORE=cpp``: store KV with the CUDA C++ kernel (``csrc/kv_store.cu``, built
-  JIT on first use; small steps then store with it and attend with ``store_attend``, which
+  JIT on first use; small steps then store with it and attend with a one-launch kernel that
   stores nothing); when it cannot be built the Triton store is used and the instance's
   ``kv_store_reason`` says why (``attnplug info`` checks the prerequisites only; it builds
   nothing). Default ``triton``.
+* ``ATTNPLUG_ONE_LAUNCH=cpp``: run the one-launch small-step layers whose CTAs cover the GPU
+  with the staged CUDA C++ kernel (``csrc/staged_attend.cu``; the C++ extension is built JIT
+  on the first backend's construction, cached across processes); when it cannot be built,
+  ``store_attend`` runs every layer and the instance's ``one_launch_reason`` says why. Default
+  ``triton``: ``store_attend`` on every layer (``staged_attend``'s module docstring gives the
+  measurements behind the default).
 """
 
 from __future__ import annotations
@@ -33,13 +41,17 @@ from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 
+from attnplug import env
 from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
 from attnplug.batch import BatchError, ForwardBatch
 from attnplug.env import validation_enabled
 from attnplug.graph_buffers import GraphBuffers
 
-from .device import CudaDevice, kv_store_choice
+from .device import CudaDevice, kv_store_choice, one_launch_choice
 from .kernels.interpret import interpreting
+from .staged_attend import fills_gpu as staged_fills_gpu
+from .staged_attend import serves_layers as staged_serves
+from .staged_attend import staged_attend
 
 __all__ = ["CudaBackend"]
 
@@ -109,6 +121,17 @@ class CudaBackend(AttentionBackend):
         self._num_sms = kernels.num_sms(self.device)
         self.pdl, self.pdl_reason = pdl_supported(self.device)
         self.kv_store_impl, self.kv_store_reason = kv_store_choice()
+        if env.one_launch_kernel() == "cpp" and not staged_serves(pool.dtype, self.head_dim):
+            self.one_launch_impl = "triton"
+            self.one_launch_reason = (
+                "ATTNPLUG_ONE_LAUNCH=cpp, but the layers are not served by the staged kernel (float16 / "
+                f"bfloat16 at head dim 64 or 128; these are {pool.dtype} at head dim {self.head_dim})"
+            )
+        else:  # builds the C++ extension when it is asked for
+            self.one_launch_impl, self.one_launch_reason = one_launch_choice()
+        #: the staged C++ kernel (``store_attend``'s signature) for the one-launch layers whose
+        #: CTAs cover the GPU, or None
+        self._staged_attend = staged_attend if self.one_launch_impl == "cpp" else None
         self.has_swa = bool(pool.swa_layer_ids)
         width = req_to_token_pool.req_to_token.shape[1]
         self.max_context_len = width
@@ -408,7 +431,18 @@ class CudaBackend(AttentionBackend):
             # Data read before gdc_wait must come from kernels two or more launches back:
             # not the metadata this step's first launch follows.
             prologue, self._after_metadata = self.pdl_prologue and not self._after_metadata, False
-            return self._store_attend(
+            kernel = self._store_attend
+            if self._staged_attend is not None and staged_fills_gpu(
+                num_reqs=batch.batch_size,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                max_q_len=t.max_q_len,
+                max_kv_len=common["max_kv_len"],
+                window=common["window"],
+                num_sms=self._num_sms,
+            ):
+                kernel = self._staged_attend
+            return kernel(
                 q,
                 k,
                 v,

@@ -1,25 +1,30 @@
-"""Build and load the CUDA C++ kernels of the plugin (``csrc/``) as a torch extension.
+"""Build and load the CUDA C++ kernels of the plugin (``csrc/``) as ONE torch extension.
 
-The one C++ kernel today is the KV store (``csrc/kv_store.cu``): for each new token ``t``,
-``k_cache[loc[t]] = k[t]`` and ``v_cache[loc[t]] = v[t]``, all heads of a token per thread
-group, 16-byte loads/stores when the rows allow it, and Programmatic Dependent Launch (PDL)
-on sm_90+: it waits (``cudaGridDependencySynchronize``) before reading k, v or loc and lets
-its dependents start (``cudaTriggerProgrammaticLaunchCompletion``) after its last store.
+The kernels (each ``.cu`` compiles alone, free of torch headers; each ``*_binding.cpp``
+registers its functions into the one module that ``module.cpp`` defines):
+
+* the KV store (``csrc/kv_store.cu``): for each new token ``t``, ``k_cache[loc[t]] = k[t]``
+  and ``v_cache[loc[t]] = v[t]``, all heads of a token per thread group, 16-byte loads/stores
+  when the rows allow it, and Programmatic Dependent Launch (PDL) on sm_90+: it waits
+  (``cudaGridDependencySynchronize``) before reading k, v or loc and lets its dependents start
+  (``cudaTriggerProgrammaticLaunchCompletion``) after its last store;
+* the staged small-step attention (``csrc/staged_attend.cu``; its Python wrapper and plan:
+  ``attnplug_cuda.staged_attend``).
 
 API:
 
-* :func:`cpp_kv_store_status` -> ``(available, reason)``; never raises. The reason names the
+* :func:`cpp_ext_status` -> ``(available, reason)``; never raises. The reason names the
   cause when the extension cannot be used: ``ATTNPLUG_DISABLE_CPP=1``, torch without CUDA, no
   ``nvcc``, no ``ninja``, no CUDA device, or a build failure (with the compiler's last lines).
-* :func:`load_kv_store_ext` -> the extension module (built once per process, reused across
-  processes through the build directory); raises :class:`CppExtensionUnavailable` with the
-  same reason. :func:`try_load_kv_store_ext` returns ``None`` instead of raising.
+* :func:`load_ext` -> the extension module (built once per process, reused across processes
+  through the build directory); raises :class:`CppExtensionUnavailable` with the same reason.
+  :func:`try_load_ext` returns ``None`` instead of raising.
 * :func:`kv_store` -> ``ext.kv_store(k, v, k_cache, v_cache, loc, pdl)``; returns whether the
   launch used PDL.
-* :func:`nvcc_compile_command` -> the bare ``nvcc -arch=sm_90 -c csrc/kv_store.cu`` command
-  CI uses to prove the kernel compiles without a GPU or torch's CUDA headers.
+* :func:`nvcc_compile_command` -> the bare ``nvcc -arch=sm_90 -c csrc/<kernel>.cu`` command
+  CI uses to prove a kernel compiles without a GPU or torch's CUDA headers.
 
-Build cache: ``$ATTNPLUG_CACHE_DIR/cpp_ext/kv_store-<key>`` (default
+Build cache: ``$ATTNPLUG_CACHE_DIR/cpp_ext/kernels-<key>`` (default
 ``$XDG_CACHE_HOME/attnplug`` or ``~/.cache/attnplug``), where ``<key>`` hashes the sources,
 the flags, the Python, torch and CUDA versions. Set ``ATTNPLUG_CPP_VERBOSE=1`` to see the
 build.
@@ -45,25 +50,39 @@ from attnplug import env
 __all__ = [
     "CSRC_DIR",
     "KV_STORE_CU",
-    "KV_STORE_BINDING",
-    "KV_STORE_HEADER",
+    "STAGED_ATTEND_CU",
+    "KERNEL_SOURCES",
+    "EXT_SOURCES",
     "SM90_GENCODE",
     "CppExtensionUnavailable",
-    "cpp_kv_store_status",
+    "cpp_ext_status",
+    "ext_build_dir",
     "find_nvcc",
     "kv_store",
-    "kv_store_build_dir",
-    "load_kv_store_ext",
+    "load_ext",
     "nvcc_compile_command",
-    "try_load_kv_store_ext",
+    "try_load_ext",
 ]
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-KV_STORE_HEADER = CSRC_DIR / "kv_store.h"
 KV_STORE_CU = CSRC_DIR / "kv_store.cu"
-KV_STORE_BINDING = CSRC_DIR / "kv_store_binding.cpp"
-#: compiled into the extension (the header is hashed too)
-KV_STORE_SOURCES: Tuple[Path, ...] = (KV_STORE_CU, KV_STORE_BINDING)
+STAGED_ATTEND_CU = CSRC_DIR / "staged_attend.cu"
+#: the kernels, each compiling alone with ``nvcc_compile_command``
+KERNEL_SOURCES: Tuple[Path, ...] = (KV_STORE_CU, STAGED_ATTEND_CU)
+#: compiled into the extension: the kernels, their bindings and the module
+EXT_SOURCES: Tuple[Path, ...] = (
+    *KERNEL_SOURCES,
+    CSRC_DIR / "kv_store_binding.cpp",
+    CSRC_DIR / "staged_attend_binding.cpp",
+    CSRC_DIR / "module.cpp",
+)
+#: hashed into the build key with the sources
+_HEADERS: Tuple[Path, ...] = (
+    CSRC_DIR / "kv_store.h",
+    CSRC_DIR / "staged_attend.h",
+    CSRC_DIR / "attention_device.cuh",
+    CSRC_DIR / "bindings.h",
+)
 
 #: Hopper machine code; always built, whatever GPU is present
 SM90_GENCODE = "-gencode=arch=compute_90,code=sm_90"
@@ -113,8 +132,9 @@ def nvcc_compile_command(
     arch: str = "sm_90",
     extra_flags: Sequence[str] = (),
 ) -> List[str]:
-    """The standalone compile of the kernel (no torch, no GPU needed), as an argv list:
-    ``nvcc -arch=sm_90 -O3 -std=c++17 -c csrc/kv_store.cu -o OUT``.
+    """The standalone compile of one kernel (no torch, no GPU needed), as an argv list:
+    ``nvcc -arch=sm_90 -O3 -std=c++17 -c csrc/kv_store.cu -o OUT`` (``source``: another of
+    ``KERNEL_SOURCES``).
 
     ``nvcc`` defaults to :func:`find_nvcc` (or plain ``"nvcc"`` when none is found)."""
     return [
@@ -199,7 +219,7 @@ def _build_key(cuda_cflags: Sequence[str]) -> str:
     import torch
 
     h = hashlib.sha256()
-    for path in (KV_STORE_HEADER, *KV_STORE_SOURCES):
+    for path in (*_HEADERS, *EXT_SOURCES):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     for part in (
@@ -219,10 +239,10 @@ def _build_key(cuda_cflags: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def kv_store_build_dir(cuda_cflags: Optional[Sequence[str]] = None) -> Path:
-    """Build directory of the KV store extension for these flags (default: sm_90 only)."""
+def ext_build_dir(cuda_cflags: Optional[Sequence[str]] = None) -> Path:
+    """Build directory of the extension for these flags (default: sm_90 only)."""
     flags = list(cuda_cflags) if cuda_cflags is not None else list(_CUDA_CFLAGS)
-    return env.cache_dir() / "cpp_ext" / f"kv_store-{_build_key(flags)}"
+    return env.cache_dir() / "cpp_ext" / f"kernels-{_build_key(flags)}"
 
 
 def _build_and_load() -> Tuple[ModuleType, Path]:
@@ -230,11 +250,11 @@ def _build_and_load() -> Tuple[ModuleType, Path]:
 
     cuda_cflags = [*_arch_flags(), *(f for f in _CUDA_CFLAGS if f != SM90_GENCODE)]
     key = _build_key(cuda_cflags)
-    build_dir = env.cache_dir() / "cpp_ext" / f"kv_store-{key}"
+    build_dir = env.cache_dir() / "cpp_ext" / f"kernels-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
-        name=f"attnplug_kv_store_{key}",
-        sources=[str(p) for p in KV_STORE_SOURCES],
+        name=f"attnplug_cuda_ext_{key}",
+        sources=[str(p) for p in EXT_SOURCES],
         extra_cflags=list(_CXX_CFLAGS),
         extra_cuda_cflags=cuda_cflags,
         extra_include_paths=[str(CSRC_DIR)],
@@ -249,11 +269,11 @@ def _build_and_load() -> Tuple[ModuleType, Path]:
 def _failure_reason(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     tail = "\n".join(lines[-_BUILD_LOG_LINES:])
-    return f"building the kv_store extension failed ({type(exc).__name__}); last lines:\n{tail}"
+    return f"building the CUDA C++ extension failed ({type(exc).__name__}); last lines:\n{tail}"
 
 
-def cpp_kv_store_status(build: bool = True) -> Tuple[bool, str]:
-    """``(available, reason)`` for the C++ KV store; never raises.
+def cpp_ext_status(build: bool = True) -> Tuple[bool, str]:
+    """``(available, reason)`` for the C++ extension; never raises.
 
     With ``build=True`` (default) a ``True`` answer means the extension is loaded: it is
     built (or taken from the build cache) on the first call of the process, which needs the
@@ -269,7 +289,7 @@ def cpp_kv_store_status(build: bool = True) -> Tuple[bool, str]:
             return False, _ext_error
         if not build:
             return True, "prerequisites met; not built in this process yet"
-        load_kv_store_ext()
+        load_ext()
         return True, f"loaded {_ext.__name__} from {_ext_dir}"  # type: ignore[union-attr]
     except CppExtensionUnavailable as exc:
         return False, str(exc)
@@ -277,9 +297,9 @@ def cpp_kv_store_status(build: bool = True) -> Tuple[bool, str]:
         return False, f"status check failed ({type(exc).__name__}: {exc})"
 
 
-def load_kv_store_ext() -> ModuleType:
-    """The loaded extension module (functions ``kv_store`` and ``vec_bytes``); built once
-    per process. Raises :class:`CppExtensionUnavailable` with the reason otherwise; a
+def load_ext() -> ModuleType:
+    """The loaded extension module (``kv_store``, ``vec_bytes``, ``staged_attend`` and its
+    helpers); built once per process. Raises :class:`CppExtensionUnavailable` with the reason otherwise; a
     failed build is remembered and not retried in this process."""
     global _ext, _ext_dir, _ext_error
     ok, reason = _prerequisites()
@@ -299,11 +319,10 @@ def load_kv_store_ext() -> ModuleType:
     return _ext
 
 
-def try_load_kv_store_ext() -> Optional[ModuleType]:
-    """:func:`load_kv_store_ext`, or ``None`` when unavailable (see
-    :func:`cpp_kv_store_status` for why)."""
+def try_load_ext() -> Optional[ModuleType]:
+    """:func:`load_ext`, or ``None`` when unavailable (see :func:`cpp_ext_status` for why)."""
     try:
-        return load_kv_store_ext()
+        return load_ext()
     except CppExtensionUnavailable:
         return None
 
@@ -319,4 +338,4 @@ def kv_store(k, v, k_cache, v_cache, loc, pdl: bool = False) -> bool:
     too); returns whether it was used."""
     if pdl and env.pdl_disabled():
         pdl = False
-    return bool(load_kv_store_ext().kv_store(k, v, k_cache, v_cache, loc, bool(pdl)))
+    return bool(load_ext().kv_store(k, v, k_cache, v_cache, loc, bool(pdl)))

@@ -27,7 +27,7 @@ from attnplug import env
 from attnplug.device_part import DevicePart
 from attnplug.graphs import PoolOps, StreamGraph
 
-__all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice"]
+__all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice", "one_launch_choice"]
 
 
 def _pool_ops() -> PoolOps:
@@ -51,19 +51,33 @@ def strict_sync_guard() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+def _triton_or_cpp(wanted: str, flag: "env.EnvFlag", kernel: str, build: bool) -> Tuple[str, str]:
+    """``(choice, reason)`` for a kernel the plugin ships in Triton and in CUDA C++: ``cpp``
+    only when ``flag`` asks for it (``wanted``) and the C++ extension loads (with ``build=False``
+    nothing is built or loaded: ``cpp`` then means its prerequisites are met)."""
+    if wanted == "triton":
+        return "triton", f"default ({flag.name}=cpp selects the {kernel})"
+    from .cpp_ext import cpp_ext_status, try_load_ext
+
+    ok, reason = cpp_ext_status(build=build)
+    if ok and (not build or try_load_ext() is not None):
+        return "cpp", f"{flag.name}=cpp" + ("" if build else f" ({reason})")
+    return "triton", f"the {kernel} is unavailable: {reason}"
+
+
 def kv_store_choice(build: bool = True) -> Tuple[str, str]:
     """Which KV store kernel to use and why (``ATTNPLUG_KV_STORE``: ``triton``, the default, or
-    ``cpp``). With ``build=False`` the CUDA C++ extension is never built or loaded: a ``cpp``
-    answer then means its prerequisites are met."""
-    wanted = env.kv_store_kernel()  # raises EnvError (a ValueError) naming a bad value
-    if wanted == "triton":
-        return "triton", "default (ATTNPLUG_KV_STORE=cpp selects the CUDA C++ kernel)"
-    from .cpp_ext import cpp_kv_store_status, try_load_kv_store_ext
+    ``cpp``, the CUDA C++ KV store where the plugin's C++ extension builds)."""
+    # env.kv_store_kernel() raises EnvError (a ValueError) naming a bad value
+    return _triton_or_cpp(env.kv_store_kernel(), env.KV_STORE, "CUDA C++ KV store", build)
 
-    ok, reason = cpp_kv_store_status(build=build)
-    if ok and (not build or try_load_kv_store_ext() is not None):
-        return "cpp", "ATTNPLUG_KV_STORE=cpp" + ("" if build else f" ({reason})")
-    return "triton", f"CUDA C++ KV store unavailable: {reason}"
+
+def one_launch_choice(build: bool = True) -> Tuple[str, str]:
+    """Which kernels run the one-launch small-step layers and why (``ATTNPLUG_ONE_LAUNCH``:
+    ``triton``, the default, the Triton kernel ``store_attend`` on every layer, or ``cpp``,
+    the staged CUDA C++ kernel on the layers whose CTAs cover the GPU where the plugin's C++
+    extension builds)."""
+    return _triton_or_cpp(env.one_launch_kernel(), env.ONE_LAUNCH, "staged CUDA C++ kernel", build)
 
 
 class CudaDevice(DevicePart):
@@ -83,12 +97,19 @@ class CudaDevice(DevicePart):
             torch.cuda.synchronize(device)
 
     def describe(self) -> Dict[str, Any]:
-        """The PDL rule and the KV store choice, from the environment and the installed tools
-        only: no CUDA context is created and nothing is built."""
+        """The PDL rule and the KV store and one-launch kernel choices, from the environment
+        and the installed tools only: no CUDA context is created and nothing is built."""
         store, store_reason = kv_store_choice(build=False)
+        one_launch, one_launch_reason = one_launch_choice(build=False)
         pdl_rule = (
             "off: ATTNPLUG_DISABLE_PDL is set"
             if env.pdl_disabled()
             else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)"
         )
-        return {"pdl_rule": pdl_rule, "kv_store": store, "kv_store_reason": store_reason}
+        return {
+            "pdl_rule": pdl_rule,
+            "kv_store": store,
+            "kv_store_reason": store_reason,
+            "one_launch": one_launch,
+            "one_launch_reason": one_launch_reason,
+        }

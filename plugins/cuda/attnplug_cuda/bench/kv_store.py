@@ -93,9 +93,9 @@ def run(ctx: Ctx) -> List[dict]:
         cpp_ok, cpp_reason = False, "skipped (--set skip_cpp=1)"
     else:
         ctx.log("  building/loading the CUDA C++ KV store (first build: about a minute) ...")
-        from ..cpp_ext import cpp_kv_store_status
+        from ..cpp_ext import cpp_ext_status
 
-        cpp_ok, cpp_reason = cpp_kv_store_status()
+        cpp_ok, cpp_reason = cpp_ext_status()
     ctx.log(f"  C++ KV store: {cpp_ok} ({cpp_reason.splitlines()[0] if cpp_reason else ''})")
     if cpp_ok and pdl_ok:
         variants["cpp pdl"] = cpp_step(True)

@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "bindings.h"
 #include "kv_store.h"
 
 namespace {
@@ -140,8 +141,7 @@ int64_t vec_bytes(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "attnplug CUDA C++ kernels: KV store with Programmatic Dependent Launch";
+void attnplug_register_kv_store(pybind11::module_& m) {
   m.def("kv_store", &kv_store,
         "k_cache[loc[t]] = k[t]; v_cache[loc[t]] = v[t] for every token t, in place, on the "
         "current CUDA stream. Slots outside [1, num_slots) are skipped. Returns whether PDL "

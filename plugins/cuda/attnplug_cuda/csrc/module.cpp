@@ -1,0 +1,9 @@
+// attnplug CUDA plugin: the one extension module holding every C++ kernel's binding.
+
+#include "bindings.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "attnplug CUDA C++ kernels: the KV store and the staged small-step attention, with PDL";
+  attnplug_register_kv_store(m);
+  attnplug_register_staged_attend(m);
+}
