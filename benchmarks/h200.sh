@@ -7,7 +7,8 @@
 #   bash benchmarks/h200.sh soak    # 20,000-step soak of the cuda backend (graphs, PDL)
 #   bash benchmarks/h200.sh models  # transformers models through Engine on cuda, generate
 #   bash benchmarks/h200.sh timeline  # the one-launch layers: their GPU tests, then layer_timeline
-#                                     # (decode and draft, bs 1 and 8, with stamps)
+#                                     # (decode and draft, bs 1 and 8, with stamps; the Triton
+#                                     # kernel alone, then routed as the backend does)
 # TIMELINE_VARIANTS="'f1 full.num_stages=1' 'w4 swa.num_warps=4'" adds those plan variants to the
 # timeline stage's runs (layer_timeline.py --variant, one per quoted word).
 # BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks.
@@ -45,6 +46,7 @@ elif [ "$stage" = trust ]; then
     tests/cuda/test_cuda_kernels_step_metadata.py tests/cuda/test_cuda_replay_copy.py \
     tests/cuda/test_cuda_softcap_sinks_interpreted.py tests/cuda/test_cuda_csrc_build.py \
     tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_allocator_never_waits.py \
+    tests/cuda/test_cuda_staged_attend.py \
     tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
   run conformance 280 attnplug conformance --backend cuda --report "$out/conformance.json"
   run memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
@@ -66,11 +68,14 @@ elif [ "$stage" = timeline ]; then
   for v in "${variants[@]}"; do vargs+=(--variant "$v"); done
   [ ${#vargs[@]} -gt 0 ] && vargs+=(--stamps)
   run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_store_attend.py \
-    tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_layer_timeline_script.py
+    tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_layer_timeline_script.py tests/cuda/test_cuda_staged_attend.py
   run timeline_decode 200 python3 benchmarks/layer_timeline.py --bs 1 8 --out "$out/timeline" "${vargs[@]}"
   run timeline_draft 200 python3 benchmarks/layer_timeline.py --bs 1 8 --mode draft --out "$out/timeline" "${vargs[@]}"
+  run timeline_routed 200 python3 benchmarks/layer_timeline.py --kernel routed --bs 1 8 --stamps
+  run timeline_routed_draft 150 python3 benchmarks/layer_timeline.py --kernel routed --bs 1 8 --mode draft
   tail -2 "$out/gpu_tests.log"
-  grep -hE "step|swa |full " "$out/timeline_decode.log" "$out/timeline_draft.log"
+  grep -hE "step|swa |full " "$out/timeline_decode.log" "$out/timeline_draft.log" "$out/timeline_routed.log" \
+    "$out/timeline_routed_draft.log"
 elif [ "$stage" = soak ]; then
   run soak 330 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"

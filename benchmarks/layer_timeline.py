@@ -2,6 +2,7 @@
 """Where a one-launch layer's time goes, inside a captured PDL graph of a whole hybrid step.
 
     python benchmarks/layer_timeline.py [--bs 1 8] [--mode decode|draft] [--context N] [--out DIR]
+                                        [--kernel triton|staged]
                                         [--config KEY=VALUE ...] [--config-full KEY=VALUE ...]
                                         [--config-swa KEY=VALUE ...]
                                         [--variant 'LABEL KEY=VALUE ...' ...] [--stamps]
@@ -27,6 +28,13 @@ events, median of 5 x 200 replays), with and without the stamps.
 ``--config`` overrides keys of the kernel's plan (``num_stages``, ``BLOCK_N``,
 ``num_splits``, ``num_warps``, ``maxnreg``) on every layer, ``--config-full`` /
 ``--config-swa`` on one kind; ``--out DIR`` also writes one per-layer table per batch size.
+
+``--kernel staged`` times the staged CUDA C++ kernel (``attnplug_cuda.staged_attend``; plan keys
+``splits``, ``capacity``) on every layer instead, ``--kernel routed`` on the layers the
+backend gives it (``staged_attend.fills_gpu``) and the Triton kernel on the others: each row's
+output difference is then taken from the Triton plan's output (the kernels' agreement), whose
+step time is printed first. The staged kernel's stamps are the same points (4 is its output
+written when a group has one split, no ticket).
 
 ``--variant 'LABEL KEY=INT full.KEY=INT swa.KEY=INT ...'`` (repeatable) times plan variants
 in the same run, on the same world: the plan as ``--config*`` leaves it first (``plan``),
@@ -158,6 +166,35 @@ def _world(bs: int, mode: str, context: int = CONTEXT):
     return world, backend, batch, make_step(backend, world, batch.num_tokens)
 
 
+def _staged_kernel(triton_kernel, routed: bool):
+    """``store_attend``'s calling convention over the staged C++ kernel, whose stamps are
+    those of the instrumented Triton kernel (``csrc/staged_attend.h``: 4 is its output
+    written when a group has one split); ``routed``: only for the layers the backend gives it
+    (``staged_attend.fills_gpu``), the others through ``triton_kernel``. Plan keys go to the
+    kernel that runs the layer."""
+    import types
+
+    from attnplug_cuda.kernels.store_attend import num_sms
+    from attnplug_cuda.staged_attend import fills_gpu, staged_attend
+
+    def run(q, k, v, loc, k_cache, v_cache, out, **kwargs):
+        if routed:
+            shape = dict(
+                num_reqs=kwargs["cu_q_lens"].shape[0] - 1,
+                num_kv_heads=k_cache.shape[1],
+                head_dim=q.shape[2],
+                max_q_len=kwargs["max_q_len"],
+                max_kv_len=kwargs["max_kv_len"],
+                window=kwargs.get("window"),
+                num_sms=num_sms(q.device),
+            )
+            if not fills_gpu(**shape):
+                return triton_kernel.store_attend(q, k, v, loc, k_cache, v_cache, out, **kwargs)
+        return staged_attend(q, k, v, loc, k_cache, v_cache, out, **kwargs)
+
+    return types.SimpleNamespace(store_attend=run, num_sms=num_sms, max_split_programs=lambda sms: 4 * max(sms, 32))
+
+
 def _graph(backend, batch, step, kernel, trace, config, config_full, config_swa):
     """The step's 48 layers in one CUDA graph, every layer through ``kernel.store_attend``:
     ``(graph, the last layer's output)``."""
@@ -169,6 +206,7 @@ def _graph(backend, batch, step, kernel, trace, config, config_full, config_swa)
         cfg = dict(config, **(config_full if kwargs.get("window") is None else config_swa))
         return kernel.store_attend(*args, trace=None if trace is None else trace[layer], config=cfg or None, **kwargs)
 
+    backend._staged_attend = None  # every layer through ``kernel``
     backend._store_attend = store_attend
     backend.init_forward_metadata(batch)
     if not backend.forward_metadata.fused:
@@ -215,6 +253,7 @@ def _layers(trace: torch.Tensor) -> List[dict]:
                 attn=(x[:, 3] - x[:, 2]).median().item(),
                 ticket=(x[:, 4] - x[:, 3]).median().item(),
                 merge=(merges[:, 5] - merges[:, 4]).median().item() if len(merges) else 0.0,
+                staged=(x[:, 6] - x[:, 2]).median().item() if bool((x[:, 6] > 0).all()) else 0.0,
                 end=max(x[:, 4].max().item(), merges[:, 5].max().item() if len(merges) else 0.0),
                 programs=int(x.shape[0]),
             )
@@ -236,7 +275,10 @@ def summary(layers: List[dict], is_swa: List[bool]) -> Dict[str, dict]:
         result[name] = {
             "programs": layers[ids[0]]["programs"],
             "period": mean(lambda i: layers[i + 1]["wait"] - layers[i]["wait"]),
-            **{k: mean(lambda i, k=k: layers[i][k]) for k in ("pro", "wait_spread", "attn", "ticket", "merge")},
+            **{
+                k: mean(lambda i, k=k: layers[i][k])
+                for k in ("pro", "wait_spread", "attn", "ticket", "merge", "staged")
+            },
             "end_to_next_wait": mean(lambda i: layers[i + 1]["wait"] - layers[i]["end"]),
         }
     return result
@@ -326,6 +368,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="a plan variant timed in the same run (KEY, full.KEY, swa.KEY; repeatable)",
     )
     parser.add_argument("--stamps", action="store_true", help="with --variant: every variant's phases too")
+    parser.add_argument(
+        "--kernel",
+        choices=("triton", "staged", "routed"),
+        default="triton",
+        help="the one-launch kernel timed: triton (default), staged, or routed as the backend does",
+    )
     parser.add_argument("--out", help="directory for the per-layer tables")
     args = parser.parse_args(argv)
     try:
@@ -336,13 +384,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("layer_timeline needs a CUDA GPU", file=sys.stderr)
         return 2
-    kernel = instrumented_store_attend()
+    triton_kernel = instrumented_store_attend()
+    kernel = triton_kernel if args.kernel == "triton" else _staged_kernel(triton_kernel, args.kernel == "routed")
     for bs in args.bs:
         world, backend, batch, step = _world(bs, args.mode, args.context)
-        graph, ref = _graph(backend, batch, step, kernel, None, *base)
+        if args.kernel != "triton":
+            graph, ref = _graph(backend, batch, step, triton_kernel, None, {}, {}, {})
+            triton_us = _replay_us(graph)
+            ref = ref.clone()
+            del graph
+            print(f"{args.mode} bs={bs} triton plan: step {triton_us:.1f} us")
+        graph, out = _graph(backend, batch, step, kernel, None, *base)
         plain = _replay_us(graph)
-        ref = ref.clone()
-        print(f"{args.mode} bs={bs}: step {plain:.1f} us ({plain / NUM_LAYERS:.2f} us a layer)")
+        line = f"{args.mode} bs={bs}: step {plain:.1f} us ({plain / NUM_LAYERS:.2f} us a layer)"
+        if args.kernel != "triton":
+            line += f"; output diff from the Triton plan {(out.float() - ref.float()).abs().max().item():.2e}"
+        else:
+            ref = out.clone()
+        print(line)
         if not variants or args.stamps:
             _phases(backend, batch, step, kernel, world, bs, args.mode, "plan", base, args.out)
         del graph
