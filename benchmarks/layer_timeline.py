@@ -167,47 +167,41 @@ def _world(bs: int, mode: str, context: int = CONTEXT):
 
 
 def _staged_kernel(triton_kernel, routed: bool):
-    """``store_attend``'s calling convention over the staged C++ kernel, whose stamps are
-    those of the instrumented Triton kernel (``csrc/staged_attend.h``: 4 is its output
-    written when a group has one split); ``routed``: only for the layers the backend gives it
-    (``staged_attend.fills_gpu``), the others through ``triton_kernel``. Plan keys go to the
-    kernel that runs the layer."""
+    """The staged C++ kernel in ``store_attend``'s calling convention, whose stamps are those
+    of the instrumented Triton kernel (``csrc/staged_attend.h``: 4 is its output written when
+    a group has one split): on every layer, or (``routed``) as the backend's ``staged`` kernel,
+    on the layers it gives it (``staged_attend.fills_gpu``), the others through
+    ``triton_kernel``. Plan keys go to the kernel that runs the layer."""
     import types
 
     from attnplug_cuda.kernels.store_attend import num_sms
-    from attnplug_cuda.staged_attend import fills_gpu, staged_attend
+    from attnplug_cuda.staged_attend import staged_attend
 
-    def run(q, k, v, loc, k_cache, v_cache, out, **kwargs):
-        if routed:
-            shape = dict(
-                num_reqs=kwargs["cu_q_lens"].shape[0] - 1,
-                num_kv_heads=k_cache.shape[1],
-                head_dim=q.shape[2],
-                max_q_len=kwargs["max_q_len"],
-                max_kv_len=kwargs["max_kv_len"],
-                window=kwargs.get("window"),
-                num_sms=num_sms(q.device),
-            )
-            if not fills_gpu(**shape):
-                return triton_kernel.store_attend(q, k, v, loc, k_cache, v_cache, out, **kwargs)
-        return staged_attend(q, k, v, loc, k_cache, v_cache, out, **kwargs)
-
-    return types.SimpleNamespace(store_attend=run, num_sms=num_sms, max_split_programs=lambda sms: 4 * max(sms, 32))
+    return types.SimpleNamespace(
+        store_attend=triton_kernel.store_attend if routed else staged_attend,
+        staged=staged_attend if routed else None,
+        num_sms=num_sms,
+        max_split_programs=lambda sms: 4 * max(sms, 32),
+    )
 
 
 def _graph(backend, batch, step, kernel, trace, config, config_full, config_swa):
-    """The step's 48 layers in one CUDA graph, every layer through ``kernel.store_attend``:
-    ``(graph, the last layer's output)``."""
+    """The step's 48 layers in one CUDA graph through ``kernel.store_attend`` (and, where the
+    backend routes a layer to it, ``kernel.staged``): ``(graph, the last layer's output)``."""
     calls = [0]
 
-    def store_attend(*args, **kwargs):
-        layer = calls[0] % NUM_LAYERS
-        calls[0] += 1
-        cfg = dict(config, **(config_full if kwargs.get("window") is None else config_swa))
-        return kernel.store_attend(*args, trace=None if trace is None else trace[layer], config=cfg or None, **kwargs)
+    def through(attend):
+        def run(*args, **kwargs):
+            layer = calls[0] % NUM_LAYERS
+            calls[0] += 1
+            cfg = dict(config, **(config_full if kwargs.get("window") is None else config_swa))
+            return attend(*args, trace=None if trace is None else trace[layer], config=cfg or None, **kwargs)
 
-    backend._staged_attend = None  # every layer through ``kernel``
-    backend._store_attend = store_attend
+        return run
+
+    staged = getattr(kernel, "staged", None)
+    backend._store_attend = through(kernel.store_attend)
+    backend._staged_attend = None if staged is None else through(staged)
     backend.init_forward_metadata(batch)
     if not backend.forward_metadata.fused:
         raise RuntimeError("this step does not take the one-launch path (store_attend)")

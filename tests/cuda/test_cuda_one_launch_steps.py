@@ -104,3 +104,28 @@ def test_layers_routed_to_the_staged_kernel_match_the_two_launch_path(graphs, mo
         two, _, kv_two = _decode_twice(TwoLaunch, graphs=graphs, mode=mode, drafts=drafts)
         assert all(fused)
         _assert_same(one, two, kv_one, kv_two)
+
+
+def test_the_step_routes_each_layer_kind_once(monkeypatch):
+    # the backend decides per step which layer kinds the staged kernel takes (_StepTables.staged)
+    # and calls it for exactly those layers; here a stand-in that records the call and runs
+    # store_attend, so any machine checks the routing
+    import attnplug_cuda.staged_attend as staged
+
+    world = World(SPEC, CudaBackend, DEVICE, seed=3)
+    backend = world.backend
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return backend._store_attend(*args, **kwargs)
+
+    backend._staged_attend = stand_in
+    reqs = world.prefill([40, 9], backend=world.reference_backend)
+    monkeypatch.setattr(staged, "FILL", 2.0)  # no grid covers twice the GPU: none routed
+    world.run_eager(world.plan(ForwardMode.DECODE, reqs))
+    assert backend.forward_metadata.staged == (False, False) and calls == []
+    monkeypatch.setattr(staged, "FILL", 0.0)  # every grid covers "the GPU"
+    world.run_eager(world.plan(ForwardMode.DECODE, reqs))
+    assert backend.forward_metadata.fused and backend.forward_metadata.staged == (True, True)
+    assert len(calls) == 2 and set(calls) == {None, SPEC.sliding_window}  # one full, one SWA layer

@@ -8,12 +8,13 @@ translated once per step). Per layer: small decode and draft steps
 splits per request and kv head) run ONE launch that stores the step's K/V, attends and merges
 its KV splits: the Triton kernel ``store_attend`` (with ``ATTNPLUG_ONE_LAUNCH=cpp``, a layer
 whose CTAs cover the GPU, ``staged_attend.fills_gpu``, runs the staged CUDA C++ kernel
-``staged_attend`` instead: each CTA's keys copied into shared memory before the PDL wait). Other steps run two
-launches, the KV store at the hoisted slots and the paged attention (plus a combine launch
-when the KV range is split for decode). With PDL, each one-launch layer after a step's first
-reads its metadata and cached K/V before waiting for the previous kernel and releases the
-next launch right after its wait, so consecutive layers overlap (the kernels' ``prologue``
-and ``release_early``; class flags ``pdl_prologue`` / ``pdl_release_early``).
+``staged_attend`` instead: each CTA's keys copied into shared memory before the PDL wait;
+decided once per step, ``_StepTables.staged``). Other steps run two launches, the KV store at
+the hoisted slots and the paged attention (plus a combine launch when the KV range is split
+for decode). With PDL, each one-launch layer after a step's first reads its metadata and
+cached K/V before waiting for the previous kernel and releases the next launch right after
+its wait, so consecutive layers overlap (the kernels' ``prologue`` and ``release_early``;
+class flags ``pdl_prologue`` / ``pdl_release_early``).
 
 Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
 launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).
@@ -68,6 +69,7 @@ class _StepTables:
     swa_window_table: Optional[torch.Tensor]  # [bs, width] int32: SWA slots of the window
     workspace: Optional[torch.Tensor]  # fp32 split-KV scratch (graph mode: static)
     fused: bool = False  # each layer is one store_attend launch (small steps)
+    staged: Tuple[bool, bool] = (False, False)  # (full, SWA) layers: staged_attend, not store_attend
     relaunch: Optional[object] = None  # graph mode: repeats the metadata launch (same buffers)
     relaunch_key: tuple = ()  # the batch tensors relaunch was built for
     # graph mode, copies from the engine's step: (step dtypes, positions given) ->
@@ -211,6 +213,25 @@ class CudaBackend(AttentionBackend):
             bs, self.num_kv_heads, max_q_len, self.num_heads // self.num_kv_heads, self._num_sms
         )
 
+    def _staged_layers(self, bs: int, max_q_len: int) -> Tuple[bool, bool]:
+        """Whether the full / SWA layers of a one-launch step of ``bs`` requests run the staged
+        C++ kernel (when it is on: the layers whose grid covers the GPU, ``fills_gpu`` on the
+        host bounds ``_attention_args`` passes)."""
+        if self._staged_attend is None:
+            return (False, False)
+        shape = dict(
+            num_reqs=bs,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_q_len=max_q_len,
+            num_sms=self._num_sms,
+        )
+        full = staged_fills_gpu(max_kv_len=self.max_context_len, window=None, **shape)
+        swa = self.has_swa and staged_fills_gpu(
+            max_kv_len=self._table_width(max_q_len), window=self.sliding_window, **shape
+        )
+        return (full, swa)
+
     @staticmethod
     def _max_q_len(batch: ForwardBatch) -> int:
         """Most new tokens of one request, from host data only: the uniform q_len, else the
@@ -240,6 +261,7 @@ class CudaBackend(AttentionBackend):
             swa_window_table=torch.empty(bs, self._table_width(max_q), **i32) if self.has_swa else None,
             workspace=None,
             fused=self._fused_step(bs, max_q),
+            staged=self._staged_layers(bs, max_q),
         )
         if bs:
             self._fill(batch, t)
@@ -294,6 +316,7 @@ class CudaBackend(AttentionBackend):
                 swa_window_table=table,
                 workspace=b["workspace"],
                 fused=self._fused_step(bs, batch.q_len),
+                staged=self._staged_layers(bs, batch.q_len),
             )
             self._graph_tables[key] = t
         return t
@@ -431,17 +454,7 @@ class CudaBackend(AttentionBackend):
             # Data read before gdc_wait must come from kernels two or more launches back:
             # not the metadata this step's first launch follows.
             prologue, self._after_metadata = self.pdl_prologue and not self._after_metadata, False
-            kernel = self._store_attend
-            if self._staged_attend is not None and staged_fills_gpu(
-                num_reqs=batch.batch_size,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                max_q_len=t.max_q_len,
-                max_kv_len=common["max_kv_len"],
-                window=common["window"],
-                num_sms=self._num_sms,
-            ):
-                kernel = self._staged_attend
+            kernel = self._staged_attend if t.staged[is_swa] else self._store_attend
             return kernel(
                 q,
                 k,

@@ -239,10 +239,14 @@ def _build_key(cuda_cflags: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _build_dir(key: str) -> Path:
+    return env.cache_dir() / "cpp_ext" / f"kernels-{key}"
+
+
 def ext_build_dir(cuda_cflags: Optional[Sequence[str]] = None) -> Path:
     """Build directory of the extension for these flags (default: sm_90 only)."""
     flags = list(cuda_cflags) if cuda_cflags is not None else list(_CUDA_CFLAGS)
-    return env.cache_dir() / "cpp_ext" / f"kernels-{_build_key(flags)}"
+    return _build_dir(_build_key(flags))
 
 
 def _build_and_load() -> Tuple[ModuleType, Path]:
@@ -250,7 +254,7 @@ def _build_and_load() -> Tuple[ModuleType, Path]:
 
     cuda_cflags = [*_arch_flags(), *(f for f in _CUDA_CFLAGS if f != SM90_GENCODE)]
     key = _build_key(cuda_cflags)
-    build_dir = env.cache_dir() / "cpp_ext" / f"kernels-{key}"
+    build_dir = _build_dir(key)
     build_dir.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
         name=f"attnplug_cuda_ext_{key}",

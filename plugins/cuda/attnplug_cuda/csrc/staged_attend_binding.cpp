@@ -5,8 +5,6 @@
 //                 seq_lens, table, table_rows, table_start, sinks, qk_scale, softcap_log2,
 //                 window, max_q_len, splits, capacity, pdl, prologue, release_early,
 //                 trace=None) -> bool
-//   staged_attend_max_capacity(head_dim) -> int
-//   staged_attend_workspace_bytes(programs, head_dim) -> int
 // Shapes and meaning: staged_attend.h and the Python wrapper (attnplug_cuda/staged_attend.py),
 // which checks shapes first with the plugin's check_attention_args; the checks here guard
 // every pointer the kernel dereferences. loc, table_start and sinks may be None; window 0:
@@ -173,13 +171,4 @@ void attnplug_register_staged_attend(pybind11::module_& m) {
         py::arg("table"), py::arg("table_rows"), py::arg("table_start"), py::arg("sinks"), py::arg("qk_scale"),
         py::arg("softcap_log2"), py::arg("window"), py::arg("max_q_len"), py::arg("splits"), py::arg("capacity"),
         py::arg("pdl"), py::arg("prologue"), py::arg("release_early"), py::arg("trace") = py::none());
-  m.def("staged_attend_max_capacity", &attnplug_staged_attend_max_capacity,
-        "Most keys one pass of the kernel stages for this head_dim (0: not served)", py::arg("head_dim"));
-  m.def(
-      "staged_attend_workspace_bytes",
-      [](int64_t programs, int64_t head_dim) {
-        return static_cast<int64_t>(
-            attnplug_staged_attend_workspace_bytes(static_cast<int>(programs), static_cast<int>(head_dim)));
-      },
-      "Bytes of the split workspace for `programs` CTAs of this head_dim", py::arg("programs"), py::arg("head_dim"));
 }
