@@ -46,7 +46,7 @@ elif [ "$stage" = trust ]; then
     tests/cuda/test_cuda_kernels_step_metadata.py tests/cuda/test_cuda_replay_copy.py \
     tests/cuda/test_cuda_softcap_sinks_interpreted.py tests/cuda/test_cuda_csrc_build.py \
     tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_allocator_never_waits.py \
-    tests/cuda/test_cuda_staged_attend.py \
+    tests/cuda/test_cuda_staged_attend.py tests/cuda/test_cuda_resident_attend.py \
     tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
   run conformance 280 attnplug conformance --backend cuda --report "$out/conformance.json"
   run memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
@@ -68,7 +68,8 @@ elif [ "$stage" = timeline ]; then
   for v in "${variants[@]}"; do vargs+=(--variant "$v"); done
   [ ${#vargs[@]} -gt 0 ] && vargs+=(--stamps)
   run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_store_attend.py \
-    tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_layer_timeline_script.py tests/cuda/test_cuda_staged_attend.py
+    tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_layer_timeline_script.py tests/cuda/test_cuda_staged_attend.py \
+    tests/cuda/test_cuda_resident_attend.py
   run timeline_decode 200 python3 benchmarks/layer_timeline.py --bs 1 8 --out "$out/timeline" "${vargs[@]}"
   run timeline_draft 200 python3 benchmarks/layer_timeline.py --bs 1 8 --mode draft --out "$out/timeline" "${vargs[@]}"
   run timeline_routed 200 python3 benchmarks/layer_timeline.py --kernel routed --bs 1 8 --stamps

@@ -2,7 +2,7 @@
 """Where a one-launch layer's time goes, inside a captured PDL graph of a whole hybrid step.
 
     python benchmarks/layer_timeline.py [--bs 1 8] [--mode decode|draft] [--context N] [--out DIR]
-                                        [--kernel triton|staged]
+                                        [--kernel triton|staged|routed|swa]
                                         [--config KEY=VALUE ...] [--config-full KEY=VALUE ...]
                                         [--config-swa KEY=VALUE ...]
                                         [--variant 'LABEL KEY=VALUE ...' ...] [--stamps]
@@ -29,9 +29,10 @@ events, median of 5 x 200 replays), with and without the stamps.
 ``num_splits``, ``num_warps``, ``maxnreg``) on every layer, ``--config-full`` /
 ``--config-swa`` on one kind; ``--out DIR`` also writes one per-layer table per batch size.
 
-``--kernel staged`` times the staged CUDA C++ kernel (``attnplug_cuda.staged_attend``; plan keys
-``splits``, ``capacity``) on every layer instead, ``--kernel routed`` on the layers the
-backend gives it (``staged_attend.fills_gpu``) and the Triton kernel on the others: each row's
+``--kernel staged`` times the CUDA C++ kernels (``attnplug_cuda.staged_attend``; plan keys
+``resident``, ``splits``, ``capacity``) on every layer instead, ``--kernel routed`` on the
+layers the backend gives them (``staged_attend.takes_layer``), ``--kernel swa`` on the SWA
+layers (the resident kernel where the window fits), and the Triton kernel on the others: each row's
 output difference is then taken from the Triton plan's output (the kernels' agreement), whose
 step time is printed first. The staged kernel's stamps are the same points (4 is its output
 written when a group has one split, no ticket).
@@ -170,7 +171,7 @@ def _staged_kernel(triton_kernel, routed: bool):
     """The staged C++ kernel in ``store_attend``'s calling convention, whose stamps are those
     of the instrumented Triton kernel (``csrc/staged_attend.h``: 4 is its output written when
     a group has one split): on every layer, or (``routed``) as the backend's ``staged`` kernel,
-    on the layers it gives it (``staged_attend.fills_gpu``), the others through
+    on the layers it gives it (``staged_attend.takes_layer``), the others through
     ``triton_kernel``. Plan keys go to the kernel that runs the layer."""
     import types
 
@@ -364,9 +365,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--stamps", action="store_true", help="with --variant: every variant's phases too")
     parser.add_argument(
         "--kernel",
-        choices=("triton", "staged", "routed"),
+        choices=("triton", "staged", "routed", "swa"),
         default="triton",
-        help="the one-launch kernel timed: triton (default), staged, or routed as the backend does",
+        help="the one-launch kernel timed: triton (default), staged, routed as the backend does, "
+        "or swa (staged on the SWA layers, triton on the full ones)",
     )
     parser.add_argument("--out", help="directory for the per-layer tables")
     args = parser.parse_args(argv)
@@ -379,9 +381,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("layer_timeline needs a CUDA GPU", file=sys.stderr)
         return 2
     triton_kernel = instrumented_store_attend()
-    kernel = triton_kernel if args.kernel == "triton" else _staged_kernel(triton_kernel, args.kernel == "routed")
+    kernel = (
+        triton_kernel if args.kernel == "triton" else _staged_kernel(triton_kernel, args.kernel in ("routed", "swa"))
+    )
     for bs in args.bs:
         world, backend, batch, step = _world(bs, args.mode, args.context)
+        if args.kernel == "swa":
+            backend._staged_layers = lambda bs, max_q_len, b=backend: (False, b._staged_attend is not None)
         if args.kernel != "triton":
             graph, ref = _graph(backend, batch, step, triton_kernel, None, {}, {}, {})
             triton_us = _replay_us(graph)

@@ -29,6 +29,7 @@ from attnplug_cuda.cpp_ext import (
     CSRC_DIR,
     KERNEL_SOURCES,
     KV_STORE_CU,
+    RESIDENT_ATTEND_CU,
     STAGED_ATTEND_CU,
     CppExtensionUnavailable,
     cpp_ext_status,
@@ -120,14 +121,20 @@ def test_pdl_wait_precedes_loads_and_trigger_follows_stores(tmp_path):
 
 
 @needs_nvcc
-def test_staged_attend_copies_before_the_pdl_wait_and_writes_only_after_it(tmp_path):
-    # the prologue issues the cached rows' copies into shared memory before the wait; every
-    # global store (the KV store, the output, the split partials) and atomic (the ticket)
-    # comes after it, and the dependents are released. Two waits per kernel: at entry
-    # without the prologue, after the prologue's copies with it. The 64-bit stores are the
-    # optional phase stamps (%globaltimer into the caller's trace buffer, which no kernel of a
-    # PDL chain reads); every other store is 8 to 128 bits wide but never 64-bit scalar
-    entries = _entries(_ptx(tmp_path, "sm_90", STAGED_ATTEND_CU))
+@pytest.mark.parametrize(
+    "source,key_load",
+    [(STAGED_ATTEND_CU, "cp.async.cg.shared.global"), (RESIDENT_ATTEND_CU, "ld.global.cg.v4")],
+    ids=["staged_attend", "resident_attend"],
+)
+def test_one_launch_kernels_load_keys_before_the_pdl_wait_and_write_only_after_it(tmp_path, source, key_load):
+    # the prologue issues the cached rows' 16-byte loads (staged: copies into shared memory;
+    # resident: loads into registers, L2 only) before the wait; every global store (the KV
+    # store, the output, the split partials) and atomic (the ticket) comes after it, and the
+    # dependents are released. Two waits per kernel: at entry without the prologue, after the
+    # prologue's loads with it. The 64-bit stores are the optional phase stamps (%globaltimer
+    # into the caller's trace buffer, which no kernel of a PDL chain reads); every other store
+    # is 8 to 128 bits wide but never 64-bit scalar
+    entries = _entries(_ptx(tmp_path, "sm_90", source))
     assert len(entries) == 4, sorted(entries)  # fp16 / bf16 x head dim 64 / 128
     for name, lines in entries.items():
         stripped = [line.strip() for line in lines]
@@ -137,11 +144,11 @@ def test_staged_attend_copies_before_the_pdl_wait_and_writes_only_after_it(tmp_p
             for i, x in enumerate(stripped)
             if x.startswith(("st.global", "atom.global", "red.global")) and not x.startswith("st.global.u64")
         ]
-        copies = [i for i, x in enumerate(stripped) if x.startswith("cp.async.cg.shared.global")]
+        key_loads = [i for i, x in enumerate(stripped) if x.startswith(key_load)]
         assert len(waits) == 2, name
         assert any(x.startswith("griddepcontrol.launch_dependents") for x in stripped), name
         assert writes and min(writes) > max(waits), f"{name}: a global write precedes the PDL wait"
-        assert copies and min(copies) < max(waits), f"{name}: no copy is issued before the wait"
+        assert key_loads and min(key_loads) < max(waits), f"{name}: no key is loaded before the wait"
         assert any(x.startswith("mma.sync.aligned.m16n8k16") for x in stripped), name
 
 

@@ -90,8 +90,9 @@ def test_larger_steps_take_the_two_launch_path():
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_layers_routed_to_the_staged_kernel_match_the_two_launch_path(graphs, monkeypatch):
-    # every one-launch layer through the staged C++ kernel (asked for; FILL 0: any grid covers
-    # "the GPU"), where the extension loads; decode and 12-row draft steps, eager and replayed
+    # the one-launch layers through the C++ kernels (asked for; FILL 0: any grid covers "the
+    # GPU"), where the extension loads: the draft steps' layers fit the resident kernel, the
+    # decode steps' stay with store_attend (takes_layer); 12-row draft steps, eager and replayed
     import attnplug_cuda.staged_attend as staged
 
     monkeypatch.setenv("ATTNPLUG_ONE_LAUNCH", "cpp")
@@ -126,6 +127,9 @@ def test_the_step_routes_each_layer_kind_once(monkeypatch):
     world.run_eager(world.plan(ForwardMode.DECODE, reqs))
     assert backend.forward_metadata.staged == (False, False) and calls == []
     monkeypatch.setattr(staged, "FILL", 0.0)  # every grid covers "the GPU"
+    # both layers' cached keys fit the resident kernel, which decode steps are not given
     world.run_eager(world.plan(ForwardMode.DECODE, reqs))
+    assert backend.forward_metadata.staged == (False, False) and calls == []
+    world.run_eager(world.plan(ForwardMode.TARGET_VERIFY, reqs, num_draft_tokens=6))
     assert backend.forward_metadata.fused and backend.forward_metadata.staged == (True, True)
     assert len(calls) == 2 and set(calls) == {None, SPEC.sliding_window}  # one full, one SWA layer

@@ -21,6 +21,7 @@ from attnplug_cuda.staged_attend import (
     MAX_ROWS,
     max_capacity,
     plan_staged_attend,
+    resident_capacity,
     serves,
     serves_layers,
     staged_attend,
@@ -32,22 +33,28 @@ SMS = 132  # an H100 / H200
 
 def test_plan_for_the_backend_shapes():
     plan = functools.partial(plan_staged_attend, num_kv_heads=8, head_dim=128, num_sms=SMS)
-    # decode, a window of 256: one CTA per group holds every key; no split, no merge
-    assert plan(num_reqs=1, max_q_len=1, max_kv_len=1088, window=256) == {"splits": 1, "capacity": 256}
-    # 4 drafts: 259 keys still fit one CTA (384 at head dim 128)
-    assert plan(num_reqs=1, max_q_len=4, max_kv_len=1088, window=256) == {"splits": 1, "capacity": 384}
-    # a full layer at bs 1: 1088 keys (the host bound) over the fewest CTAs that hold them
-    assert plan(num_reqs=1, max_q_len=1, max_kv_len=1088, window=None) == {"splits": 3, "capacity": 384}
+    resident = {"splits": 1, "capacity": 256, "resident": 1}
+    # decode, a window of 256: one CTA per group holds the 255 cached keys in registers
+    assert plan(num_reqs=1, max_q_len=1, max_kv_len=1088, window=256) == resident
+    # 4 drafts: still 255 cached keys (the step's own 4 are loaded after the wait)
+    assert plan(num_reqs=1, max_q_len=4, max_kv_len=1088, window=256) == resident
+    assert plan(num_reqs=8, max_q_len=1, max_kv_len=1088, window=256) == resident
+    # a short context without a window: 256 cached keys at most
+    assert plan(num_reqs=1, max_q_len=1, max_kv_len=257, window=None) == resident
+    assert plan(num_reqs=1, max_q_len=1, max_kv_len=258, window=None)["resident"] == 0
+    assert plan(num_reqs=1, max_q_len=1, max_kv_len=1088, window=258)["resident"] == 0
+    # a full layer at bs 1: 1088 keys (the host bound) over the fewest CTAs that stage them
+    assert plan(num_reqs=1, max_q_len=1, max_kv_len=1088, window=None) == {"splits": 3, "capacity": 384, "resident": 0}
     # bs 8: 64 groups leave room for 2 CTAs each; 544 keys a CTA run in two passes
-    assert plan(num_reqs=8, max_q_len=1, max_kv_len=1088, window=None) == {"splits": 2, "capacity": 384}
-    assert plan(num_reqs=8, max_q_len=1, max_kv_len=1088, window=256) == {"splits": 1, "capacity": 256}
+    assert plan(num_reqs=8, max_q_len=1, max_kv_len=1088, window=None) == {"splits": 2, "capacity": 384, "resident": 0}
     # more groups than SMs: one CTA each, several passes
     assert plan(num_reqs=32, max_q_len=1, max_kv_len=4096, window=None)["splits"] == 1
-    # head dim 64 stages up to 512 keys
-    assert plan_staged_attend(
-        num_reqs=1, num_kv_heads=8, head_dim=64, max_q_len=1, max_kv_len=1088, window=None, num_sms=SMS
-    ) == {"splits": 3, "capacity": 384}
+    # head dim 64 stages up to 512 keys and holds up to 512 in registers
+    plan64 = functools.partial(plan_staged_attend, num_reqs=1, num_kv_heads=8, head_dim=64, max_q_len=1, num_sms=SMS)
+    assert plan64(max_kv_len=1088, window=None) == {"splits": 3, "capacity": 384, "resident": 0}
+    assert plan64(max_kv_len=1088, window=512) == {"splits": 1, "capacity": 512, "resident": 1}
     assert max_capacity(64) == 512 and max_capacity(128) == 384
+    assert resident_capacity(64) == 512 and resident_capacity(128) == 256
 
 
 def test_what_it_serves():
@@ -60,12 +67,19 @@ def test_what_it_serves():
 
 
 def test_routing_rule():
-    from attnplug_cuda.staged_attend import fills_gpu
+    from attnplug_cuda.staged_attend import takes_layer
 
     shape = dict(num_kv_heads=8, head_dim=128, max_q_len=1, max_kv_len=1088, num_sms=SMS)
-    assert fills_gpu(num_reqs=8, window=None, **shape)  # 64 groups x 2 splits = 128 of 132 SMs
-    assert not fills_gpu(num_reqs=8, window=256, **shape)  # 64 CTAs: half the SMs
-    assert not fills_gpu(num_reqs=1, window=None, **shape)  # 8 groups x 3 splits
+    assert takes_layer(num_reqs=8, window=None, **shape)  # 64 groups x 2 splits = 128 of 132 SMs
+    assert not takes_layer(num_reqs=1, window=None, **shape)  # 8 groups x 3 splits
+    assert not takes_layer(num_reqs=1, window=300, **shape)  # 299 cached keys: 8 groups x 1 split
+    # a window whose cached keys fit one CTA's registers (the resident kernel): taken for steps
+    # of several tokens a request once the groups cover half of FILL of the SMs
+    drafts = dict(shape, max_q_len=4)
+    assert takes_layer(num_reqs=8, window=256, **drafts)  # 64 groups
+    assert not takes_layer(num_reqs=4, window=256, **drafts)  # 32 groups
+    assert not takes_layer(num_reqs=8, window=256, **shape)  # decode
+    assert not takes_layer(num_reqs=16, window=256, **shape)  # decode, 128 groups
 
 
 def test_backend_chooses_store_attend_unless_asked_and_says_why(monkeypatch):
@@ -115,8 +129,11 @@ def run_case():
     def plan(group, **shape):
         return plan_staged_attend(**shape, num_sms=num_sms(device))
 
+    def staged(*args, config=None, **kwargs):  # the staged kernel, also where the resident one would serve
+        return staged_attend(*args, config=dict({"resident": 0}, **(config or {})), **kwargs)
+
     return functools.partial(
-        _run_case, attend=staged_attend, plan=plan, split_key="splits", device=device, pdl=pdl_supported(device)[0]
+        _run_case, attend=staged, plan=plan, split_key="splits", device=device, pdl=pdl_supported(device)[0]
     )
 
 
@@ -281,9 +298,9 @@ def test_unserved_arguments_name_the_problem():
     )
     k = torch.zeros(1, 1, 128, dtype=torch.bfloat16, device=dev)
     with pytest.raises(RuntimeError, match="capacity is not a multiple of 128"):
-        staged_attend(q, k, k, None, kc, kc.clone(), torch.empty_like(q), config={"capacity": 100}, **kw)
+        staged_attend(q, k, k, None, kc, kc.clone(), torch.empty_like(q), config={"capacity": 100, "resident": 0}, **kw)
     with pytest.raises(AssertionError, match="staged_attend serves float16/bfloat16"):
         staged_attend(q.float(), k.float(), k.float(), None, kc.float(), kc.float(), q.float(), **kw)
     with pytest.raises(RuntimeError, match="workspace has"):
         kw["workspace"] = torch.empty(8, dtype=torch.float32, device=dev)
-        staged_attend(q, k, k, None, kc, kc.clone(), torch.empty_like(q), config={"splits": 2}, **kw)
+        staged_attend(q, k, k, None, kc, kc.clone(), torch.empty_like(q), config={"splits": 2, "resident": 0}, **kw)

@@ -6,10 +6,12 @@ window's start, each new token's position, and the window's SWA slot table (full
 translated once per step). Per layer: small decode and draft steps
 (``kernels.store_attend.eligible``: up to 16 (token, q head) rows per request, room for two KV
 splits per request and kv head) run ONE launch that stores the step's K/V, attends and merges
-its KV splits: the Triton kernel ``store_attend`` (with ``ATTNPLUG_ONE_LAUNCH=cpp``, a layer
-whose CTAs cover the GPU, ``staged_attend.fills_gpu``, runs the staged CUDA C++ kernel
-``staged_attend`` instead: each CTA's keys copied into shared memory before the PDL wait;
-decided once per step, ``_StepTables.staged``). Other steps run two launches, the KV store at
+its KV splits: the Triton kernel ``store_attend`` (with ``ATTNPLUG_ONE_LAUNCH=cpp``, the
+layers ``staged_attend.takes_layer`` names run the CUDA C++ kernels of ``staged_attend``
+instead: the staged kernel, each CTA's keys copied into shared memory before the PDL wait,
+where its CTAs cover the GPU; the resident kernel, one CTA a group holding its window in
+registers, for windowed steps of several tokens a request on half the GPU; decided once per
+step, ``_StepTables.staged``). Other steps run two launches, the KV store at
 the hoisted slots and the paged attention (plus a combine launch when the KV range is split
 for decode). With PDL, each one-launch layer after a step's first reads its metadata and
 cached K/V before waiting for the previous kernel and releases the next launch right after
@@ -27,8 +29,9 @@ Options (environment, read at construction):
   stores nothing); when it cannot be built the Triton store is used and the instance's
   ``kv_store_reason`` says why (``attnplug info`` checks the prerequisites only; it builds
   nothing). Default ``triton``.
-* ``ATTNPLUG_ONE_LAUNCH=cpp``: run the one-launch small-step layers whose CTAs cover the GPU
-  with the staged CUDA C++ kernel (``csrc/staged_attend.cu``; the C++ extension is built JIT
+* ``ATTNPLUG_ONE_LAUNCH=cpp``: run the one-launch small-step layers ``staged_attend.takes_layer``
+  names with the CUDA C++ kernels (``csrc/staged_attend.cu``, ``csrc/resident_attend.cu``; the
+  C++ extension is built JIT
   on the first backend's construction, cached across processes); when it cannot be built,
   ``store_attend`` runs every layer and the instance's ``one_launch_reason`` says why. Default
   ``triton``: ``store_attend`` on every layer (``staged_attend``'s module docstring gives the
@@ -50,9 +53,9 @@ from attnplug.graph_buffers import GraphBuffers
 
 from .device import CudaDevice, kv_store_choice, one_launch_choice
 from .kernels.interpret import interpreting
-from .staged_attend import fills_gpu as staged_fills_gpu
 from .staged_attend import serves_layers as staged_serves
 from .staged_attend import staged_attend
+from .staged_attend import takes_layer as staged_takes_layer
 
 __all__ = ["CudaBackend"]
 
@@ -214,9 +217,9 @@ class CudaBackend(AttentionBackend):
         )
 
     def _staged_layers(self, bs: int, max_q_len: int) -> Tuple[bool, bool]:
-        """Whether the full / SWA layers of a one-launch step of ``bs`` requests run the staged
-        C++ kernel (when it is on: the layers whose grid covers the GPU, ``fills_gpu`` on the
-        host bounds ``_attention_args`` passes)."""
+        """Whether the full / SWA layers of a one-launch step of ``bs`` requests run the C++
+        kernels of ``staged_attend`` (when they are on: ``takes_layer`` on the host bounds
+        ``_attention_args`` passes)."""
         if self._staged_attend is None:
             return (False, False)
         shape = dict(
@@ -226,8 +229,8 @@ class CudaBackend(AttentionBackend):
             max_q_len=max_q_len,
             num_sms=self._num_sms,
         )
-        full = staged_fills_gpu(max_kv_len=self.max_context_len, window=None, **shape)
-        swa = self.has_swa and staged_fills_gpu(
+        full = staged_takes_layer(max_kv_len=self.max_context_len, window=None, **shape)
+        swa = self.has_swa and staged_takes_layer(
             max_kv_len=self._table_width(max_q_len), window=self.sliding_window, **shape
         )
         return (full, swa)

@@ -51,6 +51,7 @@ __all__ = [
     "CSRC_DIR",
     "KV_STORE_CU",
     "STAGED_ATTEND_CU",
+    "RESIDENT_ATTEND_CU",
     "KERNEL_SOURCES",
     "EXT_SOURCES",
     "SM90_GENCODE",
@@ -67,8 +68,9 @@ __all__ = [
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 KV_STORE_CU = CSRC_DIR / "kv_store.cu"
 STAGED_ATTEND_CU = CSRC_DIR / "staged_attend.cu"
+RESIDENT_ATTEND_CU = CSRC_DIR / "resident_attend.cu"
 #: the kernels, each compiling alone with ``nvcc_compile_command``
-KERNEL_SOURCES: Tuple[Path, ...] = (KV_STORE_CU, STAGED_ATTEND_CU)
+KERNEL_SOURCES: Tuple[Path, ...] = (KV_STORE_CU, STAGED_ATTEND_CU, RESIDENT_ATTEND_CU)
 #: compiled into the extension: the kernels, their bindings and the module
 EXT_SOURCES: Tuple[Path, ...] = (
     *KERNEL_SOURCES,
@@ -81,6 +83,7 @@ _HEADERS: Tuple[Path, ...] = (
     CSRC_DIR / "kv_store.h",
     CSRC_DIR / "staged_attend.h",
     CSRC_DIR / "attention_device.cuh",
+    CSRC_DIR / "attend_share.cuh",
     CSRC_DIR / "bindings.h",
 )
 

@@ -35,6 +35,7 @@
 
 #include <cstdint>
 
+#include "attend_share.cuh"
 #include "attention_device.cuh"
 
 namespace {
@@ -43,7 +44,6 @@ using namespace attnplug_dev;  // NOLINT: the kernel's device helpers
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRows = 16;           // rows of the MMA tile: (token, q head) pairs of a group
 constexpr int kTileKeys = 16;       // keys of one score tile
 constexpr int kCapacityStep = kWarps * kTileKeys;  // 128: capacities are multiples of this
 constexpr int kMaxDevices = 64;
@@ -65,56 +65,6 @@ struct Limits {
 size_t smem_bytes(int capacity, int head_dim) {
   const size_t rows = 2 * static_cast<size_t>(capacity) * (head_dim + 8) * 2;  // K and V, 16-bit
   return rows + 2 * kWarps * kRows * sizeof(float) + static_cast<size_t>(capacity) * sizeof(int32_t);
-}
-
-// Thread 0 of the CTA records %globaltimer as phase `i` (a.trace set).
-__device__ __forceinline__ void stamp(const AttnplugStagedAttendArgs& a, int i) {
-  if (a.trace != nullptr && threadIdx.x == 0) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    a.trace[(static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * 8 + i] = static_cast<int64_t>(t);
-  }
-}
-
-// What a CTA knows of its group from the step's metadata.
-struct Share {
-  int64_t q_start;
-  int q_len;
-  int n_rows;
-  int new0;        // position of the step's first token
-  int s_lo, s_hi;  // this CTA's key positions
-  int t_start;
-  const int32_t* t_row;
-};
-
-__device__ __forceinline__ Share share_of(const AttnplugStagedAttendArgs& a, int b, int split) {
-  Share s;
-  s.q_start = a.cu_q_lens[b];
-  s.q_len = a.cu_q_lens[b + 1] - static_cast<int>(s.q_start);
-  const int seq_len = static_cast<int>(load_index(a.seq_lens, b, a.seq_lens_is_int64));
-  int64_t t_idx = load_index(a.table_rows, b, a.table_rows_is_int64);
-  s.t_start = a.table_start != nullptr ? static_cast<int>(load_index(a.table_start, b, a.table_start_is_int64)) : 0;
-  s.new0 = seq_len - s.q_len;
-  s.n_rows = min(max(s.q_len, 0) * a.group, kRows);
-  // the group's key range: the first token's window start .. the last token's position
-  const int kv_lo = a.window > 0 ? max(s.new0 - a.window + 1, 0) : 0;
-  const int kv_hi = max(s.q_len > 0 ? seq_len : kv_lo, kv_lo);
-  split_share(kv_lo, kv_hi, a.splits, split, &s.s_lo, &s.s_hi);
-  if (t_idx < 0 || t_idx >= a.table_rows_len) {
-    t_idx = 0;  // outside the table: row 0
-  }
-  s.t_row = a.table + t_idx * a.stride_table;
-  return s;
-}
-
-// The slot of key position j, or 0 when j holds no key of this CTA.
-__device__ __forceinline__ int64_t slot_of(const AttnplugStagedAttendArgs& a, const Share& s, int j) {
-  const int col = j - s.t_start;
-  if (j < s.s_lo || j >= s.s_hi || col < 0 || col >= a.table_width) {
-    return 0;
-  }
-  const int64_t slot = s.t_row[col];
-  return (slot >= 1 && slot < a.num_slots) ? slot : 0;
 }
 
 // Shared memory of a CTA (dynamic): K and V rows of a pass, the P tile over the K rows once
@@ -653,8 +603,13 @@ extern "C" const char* attnplug_staged_attend_unsupported(const AttnplugStagedAt
   if (max_q_len < 1 || static_cast<int64_t>(max_q_len) * a->group > kRows)
     return "max_q_len x group (rows of a group) is not in 1..16";
   if (a->splits < 1 || a->splits > 65535) return "splits is not in 1..65535";
-  if (a->capacity < kCapacityStep || a->capacity > cap || a->capacity % kCapacityStep != 0)
+  if (a->resident) {
+    if (a->splits != 1) return "the resident kernel runs one CTA a group (splits 1)";
+    if (a->capacity != attnplug_resident_attend_capacity(a->head_dim))
+      return "the resident kernel's capacity is attnplug_resident_attend_capacity(head_dim)";
+  } else if (a->capacity < kCapacityStep || a->capacity > cap || a->capacity % kCapacityStep != 0) {
     return "capacity is not a multiple of 128 within the head_dim's maximum";
+  }
   if (a->window < 0) return "window is negative";
   if (a->q == nullptr || a->k_new == nullptr || a->v_new == nullptr || a->k_cache == nullptr || a->v_cache == nullptr ||
       a->out == nullptr || a->cu_q_lens == nullptr || a->seq_lens == nullptr || a->table == nullptr ||
@@ -689,6 +644,7 @@ extern "C" cudaError_t attnplug_staged_attend_launch(const AttnplugStagedAttendA
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e != cudaSuccess) return e;
   if (major < 8) return cudaErrorNotSupported;  // mma.sync bf16, cp.async
+  if (a->resident) return attnplug_resident_attend_launch(a, stream, pdl_used);
   return a->dtype == STAGED_ATTEND_FLOAT16 ? launch_by_dim<__half>(*a, stream, pdl_used)
                                            : launch_by_dim<__nv_bfloat16>(*a, stream, pdl_used);
 }

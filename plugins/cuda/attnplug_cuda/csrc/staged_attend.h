@@ -16,6 +16,11 @@
 // layer whose shares fit one pass only waits for q and the step's own K/V. With splits > 1
 // each CTA writes a normalised partial to `workspace` and the last CTA of the group (an
 // atomic ticket) merges the partials in split order.
+//
+// With `resident` the launch runs resident_attend.cu instead: one CTA a group (splits 1),
+// whose cached keys (at most attnplug_resident_attend_capacity(head_dim) positions before the
+// step's first token; the host bounds guarantee it) are loaded into registers before the PDL
+// wait; `capacity` is then that capacity.
 #pragma once
 
 #include <cstddef>
@@ -65,10 +70,18 @@ struct AttnplugStagedAttendArgs {
   bool pdl;           // launch with Programmatic Dependent Launch
   bool prologue;      // with pdl: read metadata, table entries and cached K/V before the wait
   bool release_early; // with pdl: release the dependents right after the wait
+  bool resident;      // the register-resident kernel (resident_attend.cu): splits 1, capacity its own
 };
 
 // Most keys one pass stages for this head_dim (0: head_dim not served).
 int attnplug_staged_attend_max_capacity(int head_dim);
+
+// Most cached keys (positions before the step's first token) of a group the resident kernel
+// holds in registers for this head_dim (0: head_dim not served).
+int attnplug_resident_attend_capacity(int head_dim);
+
+// Enqueue the resident kernel (arguments checked by attnplug_staged_attend_launch).
+cudaError_t attnplug_resident_attend_launch(const AttnplugStagedAttendArgs* a, cudaStream_t stream, bool* pdl_used);
 
 // Bytes of the split-partial workspace for `programs` CTAs (groups x splits) of this head_dim
 // with 16-bit elements.

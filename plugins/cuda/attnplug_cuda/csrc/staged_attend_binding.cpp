@@ -4,7 +4,7 @@
 //   staged_attend(q, k, v, loc, k_cache, v_cache, out, workspace, tickets, cu_q_lens,
 //                 seq_lens, table, table_rows, table_start, sinks, qk_scale, softcap_log2,
 //                 window, max_q_len, splits, capacity, pdl, prologue, release_early,
-//                 trace=None) -> bool
+//                 resident=False, trace=None) -> bool
 // Shapes and meaning: staged_attend.h and the Python wrapper (attnplug_cuda/staged_attend.py),
 // which checks shapes first with the plugin's check_attention_args; the checks here guard
 // every pointer the kernel dereferences. loc, table_start and sinks may be None; window 0:
@@ -43,7 +43,7 @@ bool staged_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const at::Tensor& seq_lens, const at::Tensor& table, const at::Tensor& table_rows,
                    const c10::optional<at::Tensor>& table_start, const c10::optional<at::Tensor>& sinks,
                    double qk_scale, double softcap_log2, int64_t window, int64_t max_q_len, int64_t splits,
-                   int64_t capacity, bool pdl, bool prologue, bool release_early,
+                   int64_t capacity, bool pdl, bool prologue, bool release_early, bool resident,
                    const c10::optional<at::Tensor>& trace) {
   TORCH_CHECK(q.defined() && q.is_cuda(), "attnplug staged_attend: q must be a CUDA tensor");
   const at::Device device = q.device();
@@ -145,6 +145,7 @@ bool staged_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   a.pdl = pdl;
   a.prologue = pdl && prologue;
   a.release_early = pdl && release_early;
+  a.resident = resident;
   const char* why = attnplug_staged_attend_unsupported(&a, static_cast<int>(max_q_len));
   TORCH_CHECK(why == nullptr, "attnplug staged_attend: ", why == nullptr ? "" : why);
   if (T == 0 || bs == 0) {
@@ -164,11 +165,11 @@ bool staged_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 void attnplug_register_staged_attend(pybind11::module_& m) {
   m.def("staged_attend", &staged_attend,
         "Store the step's K/V at loc, attend q over the paged cache into out, each CTA's keys staged in "
-        "shared memory before the PDL wait; KV splits merged by the last CTA of each group. Returns "
-        "whether PDL was used.",
+        "shared memory before the PDL wait; KV splits merged by the last CTA of each group (resident: "
+        "one CTA a group holding its cached keys in registers). Returns whether PDL was used.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("loc"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("out"), py::arg("workspace"), py::arg("tickets"), py::arg("cu_q_lens"), py::arg("seq_lens"),
         py::arg("table"), py::arg("table_rows"), py::arg("table_start"), py::arg("sinks"), py::arg("qk_scale"),
         py::arg("softcap_log2"), py::arg("window"), py::arg("max_q_len"), py::arg("splits"), py::arg("capacity"),
-        py::arg("pdl"), py::arg("prologue"), py::arg("release_early"), py::arg("trace") = py::none());
+        py::arg("pdl"), py::arg("prologue"), py::arg("release_early"), py::arg("resident") = false, py::arg("trace") = py::none());
 }
