@@ -28,8 +28,10 @@
 // output dims of one row.
 //
 // The chain of dependent launches then holds, per layer: the wait, one round trip for q and
-// the own rows, about 40 tensor-core products a warp, one barrier and the output write:
-// no key in shared memory, no workspace, no ticket.
+// the own rows, 64 tensor-core products a warp at head dim 128 (32 for the scores, 32 for
+// P V), one barrier and the output write: no key in shared memory, no workspace, no ticket.
+// Before the wait each CTA spends two dependent round trips (the step's metadata, then the
+// table) before its keys' loads are issued; docs/benchmarks.md has what that costs.
 
 #include <cstdint>
 
