@@ -41,31 +41,14 @@ def run_case():
     def plan(group, **shape):
         return plan_staged_attend(**shape, num_sms=num_sms(device))
 
-    def resident(*args, config=None, **kwargs):  # fails unless the plan takes the resident kernel
-        kept = {}
-
-        def attend(*a, **kw):
-            from attnplug_cuda.kernels.store_attend import num_sms as sms
-
-            kept.update(
-                plan_staged_attend(
-                    num_reqs=kw["seq_lens"].numel(),
-                    num_kv_heads=a[4].shape[1],
-                    head_dim=a[0].shape[2],
-                    max_q_len=kw["max_q_len"],
-                    max_kv_len=kw["max_kv_len"],
-                    window=kw["window"],
-                    num_sms=sms(device),
-                )
-            )
-            return staged_attend(*a, **kw)
-
-        out = attend(*args, config=config, **kwargs)
-        assert kept["resident"] == 1, f"the plan did not take the resident kernel: {kept}"
+    def run(*args, **kwargs):  # fails unless the plan takes the resident kernel
+        keep = kwargs.setdefault("keep", {})
+        out = _run_case(*args, **kwargs)
+        assert keep["plan"]["resident"] == 1, f"the plan did not take the resident kernel: {keep['plan']}"
         return out
 
     return functools.partial(
-        _run_case, attend=resident, plan=plan, split_key="splits", device=device, pdl=pdl_supported(device)[0]
+        run, attend=staged_attend, plan=plan, split_key="splits", device=device, pdl=pdl_supported(device)[0]
     )
 
 

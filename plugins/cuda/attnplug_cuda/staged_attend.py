@@ -138,9 +138,11 @@ def plan_staged_attend(
     window: Optional[int],
     num_sms: int,
 ) -> dict:
-    """KV splits per group and the keys a CTA stages at once (``capacity``), from host ints
-    only: as few splits as let one CTA stage its whole share (by the host bound) in one pass,
-    within one CTA per SM; a share beyond the capacity runs in several passes."""
+    """The launch's plan from host ints only: the resident kernel (``resident`` 1, one CTA a
+    group, ``capacity`` its register capacity) wherever every request's cached keys fit by the
+    host bounds; else the staged kernel's KV splits per group and the keys a CTA stages at once
+    (``capacity``): as few splits as let one CTA stage its whole share in one pass, within one
+    CTA per SM; a share beyond the capacity runs in several passes."""
     return dict(_plan(num_reqs, num_kv_heads, head_dim, max_q_len, max_kv_len, window, num_sms))
 
 

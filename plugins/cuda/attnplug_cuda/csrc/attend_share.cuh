@@ -1,7 +1,9 @@
 // attnplug CUDA plugin: what a CTA of the one-launch attention kernels (staged_attend.cu,
 // resident_attend.cu) knows of its (request, kv head) group from the step's metadata, the
-// table lookup of a key position, and the phase stamps. Free of torch headers.
+// table lookup of a key position, the phase stamps, and their launch. Free of torch headers.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -60,6 +62,65 @@ __device__ __forceinline__ int64_t slot_of(const AttnplugStagedAttendArgs& a, co
   }
   const int64_t slot = s.t_row[col];
   return (slot >= 1 && slot < a.num_slots) ? slot : 0;
+}
+
+// Per device, for one kernel instantiation: its binary's compute capability (x10) and the
+// dynamic shared memory limit raised so far; filled on first use.
+constexpr int kMaxDevices = 64;
+struct LaunchState {
+  int version[kMaxDevices] = {};
+  int smem_set[kMaxDevices] = {};
+};
+
+// Enqueue a one-launch attention kernel on `stream` (`grid`, `threads`, `smem` dynamic bytes),
+// with Programmatic Dependent Launch when `a.pdl` asks and the kernel's image holds the
+// grid-dependency wait (sm_90+; the args' PDL flags are cleared otherwise). Never syncs;
+// returns the first CUDA error met (a failed launch's error is cleared); *pdl_used (may be
+// null) says whether PDL was used.
+template <typename Kernel>
+inline cudaError_t launch_attend(Kernel kernel, LaunchState* state, dim3 grid, int threads, size_t smem,
+                                 const AttnplugStagedAttendArgs& a, cudaStream_t stream, bool* pdl_used) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (state->version[device] == 0) {
+    cudaFuncAttributes attr = {};
+    err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess) return err;
+    state->version[device] = attr.binaryVersion;
+  }
+  if (state->smem_set[device] < static_cast<int>(smem)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    state->smem_set[device] = static_cast<int>(smem);
+  }
+  // Only an sm_90+ image holds the grid-dependency wait; launching an older image with the
+  // attribute would let it read before its producer is done.
+  const bool use_pdl = a.pdl && state->version[device] >= 90;
+  AttnplugStagedAttendArgs args = a;
+  args.pdl = use_pdl;
+  args.prologue = use_pdl && a.prologue;
+  args.release_early = use_pdl && a.release_early;
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned int>(threads), 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = use_pdl ? attrs : nullptr;
+  cfg.numAttrs = use_pdl ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, kernel, args);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the non-sticky launch error
+    return err;
+  }
+  if (pdl_used != nullptr) {
+    *pdl_used = use_pdl;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace attnplug_dev

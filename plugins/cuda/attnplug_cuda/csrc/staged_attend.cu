@@ -46,7 +46,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTileKeys = 16;       // keys of one score tile
 constexpr int kCapacityStep = kWarps * kTileKeys;  // 128: capacities are multiples of this
-constexpr int kMaxDevices = 64;
 constexpr int kMergeLoads = 8;      // splits whose partials the merge loads at once
 constexpr float kMinLogit = -1.0e30f;  // start of a running max: exp2 of it is 0, never NaN
 constexpr float kLog2e = 1.4426950408889634f;
@@ -519,63 +518,12 @@ __global__ void __launch_bounds__(kThreads, 1) staged_attend_kernel(const Attnpl
 #endif  // __CUDA_ARCH__ >= 800
 }
 
-// Per device and kernel instantiation: the binary's compute capability (x10) and whether its
-// dynamic shared memory limit was raised; set on first use.
-template <typename T, int D>
-struct Prepared {
-  static int version[kMaxDevices];
-  static int smem_set[kMaxDevices];
-};
-template <typename T, int D>
-int Prepared<T, D>::version[kMaxDevices] = {};
-template <typename T, int D>
-int Prepared<T, D>::smem_set[kMaxDevices] = {};
-
 template <typename T, int D>
 cudaError_t launch_typed(const AttnplugStagedAttendArgs& a, cudaStream_t stream, bool* pdl_used) {
-  auto kernel = staged_attend_kernel<T, D>;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  const size_t smem = smem_bytes(a.capacity, D);
-  if (Prepared<T, D>::version[device] == 0) {
-    cudaFuncAttributes attr = {};
-    err = cudaFuncGetAttributes(&attr, kernel);
-    if (err != cudaSuccess) return err;
-    Prepared<T, D>::version[device] = attr.binaryVersion;
-  }
-  if (Prepared<T, D>::smem_set[device] < static_cast<int>(smem)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-    Prepared<T, D>::smem_set[device] = static_cast<int>(smem);
-  }
-  // Only an sm_90+ image holds the grid-dependency wait; launching an older image with the
-  // attribute would let it read before its producer is done.
-  const bool use_pdl = a.pdl && Prepared<T, D>::version[device] >= 90;
-  AttnplugStagedAttendArgs args = a;
-  args.pdl = use_pdl;
-  args.prologue = use_pdl && a.prologue;
-  args.release_early = use_pdl && a.release_early;
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned int>(a.splits), static_cast<unsigned int>(a.num_reqs * a.num_kv_heads), 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = use_pdl ? attrs : nullptr;
-  cfg.numAttrs = use_pdl ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, args);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the non-sticky launch error
-    return err;
-  }
-  if (pdl_used != nullptr) {
-    *pdl_used = use_pdl;
-  }
-  return cudaSuccess;
+  static LaunchState state;  // per kernel instantiation
+  const dim3 grid(static_cast<unsigned int>(a.splits), static_cast<unsigned int>(a.num_reqs * a.num_kv_heads), 1);
+  return launch_attend(staged_attend_kernel<T, D>, &state, grid, kThreads, smem_bytes(a.capacity, D), a, stream,
+                       pdl_used);
 }
 
 template <typename T>
