@@ -9,6 +9,9 @@
 #   bash benchmarks/h200.sh timeline  # the one-launch layers: their GPU tests, then layer_timeline
 #                                     # (decode and draft, bs 1 and 8, with stamps; the Triton
 #                                     # kernel alone, then routed as the backend does)
+#   bash benchmarks/h200.sh paths   # step_paths.py: the step's layers through each layer path at
+#                                   # bs 16-128 (decode, then draft), with per-layer profiles
+# PATHS="'one one' 'n64 one BLOCK_N=64'" replaces the paths stage's default paths (--path, one per quoted word).
 # TIMELINE_VARIANTS="'f1 full.num_stages=1' 'w4 swa.num_warps=4'" adds those plan variants to the
 # timeline stage's runs (layer_timeline.py --variant, one per quoted word).
 # BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks.
@@ -77,6 +80,16 @@ elif [ "$stage" = timeline ]; then
   tail -2 "$out/gpu_tests.log"
   grep -hE "step|swa |full " "$out/timeline_decode.log" "$out/timeline_draft.log" "$out/timeline_routed.log" \
     "$out/timeline_routed_draft.log"
+elif [ "$stage" = paths ]; then
+  eval "paths=(${PATHS:-})"
+  pargs=()
+  for p in "${paths[@]}"; do pargs+=(--path "$p"); done
+  run paths_decode "${PATHS_DECODE_S:-330}" python3 benchmarks/step_paths.py --bs ${PATHS_BS:-16 32 64 128} \
+    --profile --out "$out" "${pargs[@]}"
+  run paths_draft "${PATHS_DRAFT_S:-200}" python3 benchmarks/step_paths.py --mode draft \
+    --bs ${PATHS_BS:-16 32 64 128} --profile --out "$out" "${pargs[@]}"
+  grep -vE "^(decode|draft) bs=" "$out/paths_decode.log" | tail -60
+  grep -vE "^(decode|draft) bs=" "$out/paths_draft.log" | tail -60
 elif [ "$stage" = soak ]; then
   run soak 330 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"

@@ -206,7 +206,13 @@ def _graph(backend, batch, step, kernel, trace, config, config_full, config_swa)
     backend.init_forward_metadata(batch)
     if not backend.forward_metadata.fused:
         raise RuntimeError("this step does not take the one-launch path (store_attend)")
-    for _ in range(2):  # compile, warm
+    return capture_step(backend, batch, step)
+
+
+def capture_step(backend, batch, step):
+    """The step's layers (metadata already built) in one CUDA graph, after two eager runs
+    (compile, warm): ``(graph, the last layer's output)``."""
+    for _ in range(2):
         backend._after_metadata = True
         step(batch, {})
     torch.cuda.synchronize()

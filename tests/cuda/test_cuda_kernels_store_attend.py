@@ -154,9 +154,16 @@ def test_plan_and_eligibility():
         num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=256, num_sms=132
     )
     assert p["num_splits"] > 1
-    assert eligible(8, 8, 1, 4, 132) and not eligible(16, 8, 1, 4, 132)  # two splits per group at least
+    assert eligible(33, 8, 1, 4, 132) and not eligible(34, 8, 1, 4, 132)  # two groups per SM at most
     assert eligible(1, 8, 4, 4, 132) and MAX_ROWS == 16  # 4 drafts x 4 heads: one launch
     assert not eligible(1, 8, 5, 4, 132)  # 5 drafts x 4 heads: the two-launch path
+    # more groups than SMs (bs 32: 256 groups on 132 SMs): unsplit 128-key blocks, 4 warps, 2 stages
+    h200 = dict(num_kv_heads=8, group=4, head_dim=128, max_kv_len=1088, num_sms=132)
+    for q_len, window in ((1, None), (1, 256), (4, 256)):
+        p = plan_store_attend(num_reqs=32, max_q_len=q_len, window=window, **h200)
+        assert (p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]) == (1, 128, 4, 2)
+    p = plan_store_attend(num_reqs=16, max_q_len=1, window=256, **h200)  # bs 16: 128 groups, one 256-key block
+    assert (p["num_splits"], p["BLOCK_N"], p["num_warps"]) == (1, 256, 8)
     # 16 rows split as far as decode does; the merge takes MERGE_ROWS (split, row) pairs a trip
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132

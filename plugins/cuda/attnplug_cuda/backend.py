@@ -4,8 +4,8 @@ Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the la
 the hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the
 window's start, each new token's position, and the window's SWA slot table (full-pool rows
 translated once per step). Per layer: small decode and draft steps
-(``kernels.store_attend.eligible``: up to 16 (token, q head) rows per request, room for two KV
-splits per request and kv head) run ONE launch that stores the step's K/V, attends and merges
+(``kernels.store_attend.eligible``: up to 16 (token, q head) rows per request, at most two
+(request, kv head) groups per SM) run ONE launch that stores the step's K/V, attends and merges
 its KV splits: the Triton kernel ``store_attend`` (with ``ATTNPLUG_ONE_LAUNCH=cpp``, the
 layers ``staged_attend.takes_layer`` names run the CUDA C++ kernels of ``staged_attend``
 instead: the staged kernel, each CTA's keys copied into shared memory before the PDL wait,

@@ -69,7 +69,7 @@ PDL_TARGET, PDL_SIZES = 1.15, (1,)
 FLASHINFER_TARGETS = {1: 3.0, 8: 3.0, 64: 1.4}
 PREP_BS, PREP_TARGET_US = 128, 30.0
 #: batch sizes where the two-launch path is timed against the one-launch small steps
-TWO_LAUNCH_SIZES = (1, 8)
+TWO_LAUNCH_SIZES = (1, 8, 32)
 SHAPE = StepShape(
     num_layers=NUM_LAYERS,
     num_heads=32,

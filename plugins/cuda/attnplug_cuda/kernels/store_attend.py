@@ -101,6 +101,12 @@ PROGRAMS_PER_SM = 1
 MERGE_ROWS = 64
 #: most (split, row) pairs one merge reads: the split count stops there
 MERGE_READS = 256
+#: most (request, kv head) groups per SM of a step this kernel serves. An H200, the 48-layer
+#: hybrid step (8 kv heads, W 256, 1,024 keys), one launch a layer against the KV store +
+#: paged attention: decode bs 16 641.0 against 776.8 us, bs 32 938.9 against 1053.1 us;
+#: 4-draft steps bs 16 795.9 against 892.1 us, bs 32 1071.4 against 1331.9 us; at bs 64
+#: (3.9 groups per SM) slower, 1963.8 ... 2080.7 against 1752.7 us (4 drafts)
+GROUPS_PER_SM = 2
 
 ensure_interpreter_compat()
 
@@ -428,11 +434,10 @@ def num_sms(device: torch.device) -> int:
 
 def eligible(num_reqs: int, num_kv_heads: int, max_q_len: int, group: int, num_sms: int) -> bool:
     """True when this kernel serves the step: at most ``max_q_len`` new tokens per request
-    (``group`` q heads per kv head) fit one tile of rows, and the (request, kv head) groups
-    leave room for at least two KV splits per group on ``num_sms`` SMs. Larger batches fill
-    the GPU without splits and run faster through ``kv_store`` + ``paged_attention``
-    (measured on an H200 from bs 32 on)."""
-    return 1 <= max_q_len * group <= MAX_ROWS and 2 * num_reqs * num_kv_heads <= PROGRAMS_PER_SM * num_sms
+    (``group`` q heads per kv head) fit one tile of rows, and there are at most
+    ``GROUPS_PER_SM`` (request, kv head) groups per SM. Larger batches run faster through
+    ``kv_store`` + ``paged_attention``."""
+    return 1 <= max_q_len * group <= MAX_ROWS and num_reqs * num_kv_heads <= GROUPS_PER_SM * num_sms
 
 
 @functools.lru_cache(maxsize=4096)
@@ -482,18 +487,25 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
         block_n = triton.next_power_of_2(share + 1) // 2
     widest = 256 if block_d <= 128 and (unsplit or 512 <= share <= 1024) else (128 if block_d <= 128 else 64)
     block_n = max(16, min(block_n, widest))
+    num_warps = 8 if block_n * block_d >= 128 * 128 else 4
+    # software pipelining only where a split's share (by the host bound) holds more than eight
+    # key blocks. An H200, 48-layer step: with one block per program (bs 1; bs 8 SWA layers)
+    # one stage ran 1.16x (bs 1) and 1.07x (bs 8) faster than two; with four or five (bs 8 full
+    # layers, 1,025 keys) one stage ran the 48 launches in 411.5 against 427.2 us with two
+    num_stages = 2 if share > 8 * block_n else 1
+    if groups > PROGRAMS_PER_SM * num_sms:
+        # More groups than SMs (then never split): several programs share an SM, so smaller
+        # 4-warp programs, pipelined. An H200, 48-layer step, bs 32 decode (256 groups on 132
+        # SMs): 938.9 us with 128-key blocks, 4 warps, 2 stages on every layer against 1266.8
+        # with the rules above (256-key 8-warp blocks on SWA layers, 8 warps on full layers)
+        block_n, num_warps, num_stages = min(block_n, 128), 4, 2
     return tuple(
         dict(
             BLOCK_M=max(16, rows),
             ROWS=rows,
             BLOCK_N=block_n,
-            num_warps=8 if block_n * block_d >= 128 * 128 else 4,
-            # software pipelining only where a split's share (by the host bound) holds more
-            # than eight key blocks. An H200, 48-layer step: with one block per program (bs 1;
-            # bs 8 SWA layers) one stage ran 1.16x (bs 1) and 1.07x (bs 8) faster than two;
-            # with four or five (bs 8 full layers, 1,025 keys) one stage ran the 48 launches in
-            # 411.5 against 427.2 us with two
-            num_stages=2 if share > 8 * block_n else 1,
+            num_warps=num_warps,
+            num_stages=num_stages,
             num_splits=splits,
             MERGE_CHUNK=max(1, min(splits, MERGE_ROWS // rows)),
         ).items()
