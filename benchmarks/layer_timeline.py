@@ -156,15 +156,27 @@ def instrumented_store_attend():
     return module
 
 
-def _world(bs: int, mode: str, context: int = CONTEXT):
+def world_step(bs: int, mode: str, context: int = CONTEXT):
+    """The ``hybrid_step`` world of ``bs`` requests and its step: ``(world, batch, new)``,
+    ``new()`` a fresh cuda backend and its step function (the same q/k/v every time)."""
     from attnplug import ForwardMode
     from attnplug.bench.world import build_world, make_step
     from attnplug_cuda.backend import CudaBackend
 
     world = build_world(num_layers=NUM_LAYERS, max_bs=bs, context=context, window=WINDOW, device="cuda")
-    backend = CudaBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW)
     batch = world.batch(ForwardMode.DECODE if mode == "decode" else ForwardMode.DRAFT_EXTEND, bs, with_cpu=False)
-    return world, backend, batch, make_step(backend, world, batch.num_tokens)
+
+    def new():
+        backend = CudaBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW)
+        return backend, make_step(backend, world, batch.num_tokens)
+
+    return world, batch, new
+
+
+def _world(bs: int, mode: str, context: int = CONTEXT):
+    world, batch, new = world_step(bs, mode, context)
+    backend, step = new()
+    return world, backend, batch, step
 
 
 def _staged_kernel(triton_kernel, routed: bool):

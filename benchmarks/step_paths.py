@@ -44,7 +44,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from layer_timeline import NUM_LAYERS, WINDOW, _replay_us, capture_step, parse_variant  # noqa: E402
+from layer_timeline import NUM_LAYERS, _replay_us, capture_step, parse_variant, world_step  # noqa: E402
 
 PATHS = ("two", "one", "store+one", "backend")
 DEFAULT_PATHS = ("backend backend", "two two", "one one", "store+one store+one")
@@ -83,23 +83,6 @@ def route(backend, path: str, configs: Tuple[dict, dict, dict]) -> None:
 
     backend._paged_attention = through(backend._paged_attention)
     backend._store_attend = through(backend._store_attend)
-
-
-def world_step(bs: int, mode: str, context: int):
-    """The ``hybrid_step`` world of ``bs`` requests and its step: ``(world, batch, new)``,
-    ``new()`` a fresh cuda backend and its step function (the same q/k/v every time)."""
-    from attnplug import ForwardMode
-    from attnplug.bench.world import build_world, make_step
-    from attnplug_cuda.backend import CudaBackend
-
-    world = build_world(num_layers=NUM_LAYERS, max_bs=bs, context=context, window=WINDOW, device="cuda")
-    batch = world.batch(ForwardMode.DECODE if mode == "decode" else ForwardMode.DRAFT_EXTEND, bs, with_cpu=False)
-
-    def new():
-        backend = CudaBackend(world.pool, world.rows, num_heads=world.num_heads, sliding_window=WINDOW)
-        return backend, make_step(backend, world, batch.num_tokens)
-
-    return world, batch, new
 
 
 def capture(backend, batch, step):

@@ -105,7 +105,7 @@ MERGE_READS = 256
 #: hybrid step (8 kv heads, W 256, 1,024 keys), one launch a layer against the KV store +
 #: paged attention: decode bs 16 641.0 against 776.8 us, bs 32 938.9 against 1053.1 us;
 #: 4-draft steps bs 16 795.9 against 892.1 us, bs 32 1071.4 against 1331.9 us; at bs 64
-#: (3.9 groups per SM) slower, 1963.8 ... 2080.7 against 1752.7 us (4 drafts)
+#: (3.9 groups per SM) slower, 2080.7 against 1752.7 us (4 drafts)
 GROUPS_PER_SM = 2
 
 ensure_interpreter_compat()
@@ -485,27 +485,26 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
         block_n = triton.next_power_of_2(triton.cdiv(share, 16) * 16)
     else:
         block_n = triton.next_power_of_2(share + 1) // 2
-    widest = 256 if block_d <= 128 and (unsplit or 512 <= share <= 1024) else (128 if block_d <= 128 else 64)
+    # More groups than SMs (then never split): several programs share an SM, so 4-warp
+    # programs of at most 128 keys a block, pipelined. An H200, 48-layer step, bs 32 decode
+    # (256 groups on 132 SMs): 938.9 us so on every layer against 1266.8 without this rule
+    # (256-key 8-warp blocks on SWA layers, 8 warps on full layers)
+    crowded = groups > PROGRAMS_PER_SM * num_sms
+    wide = 256 if not crowded and (unsplit or 512 <= share <= 1024) else 128
+    widest = wide if block_d <= 128 else 64
     block_n = max(16, min(block_n, widest))
-    num_warps = 8 if block_n * block_d >= 128 * 128 else 4
-    # software pipelining only where a split's share (by the host bound) holds more than eight
-    # key blocks. An H200, 48-layer step: with one block per program (bs 1; bs 8 SWA layers)
-    # one stage ran 1.16x (bs 1) and 1.07x (bs 8) faster than two; with four or five (bs 8 full
-    # layers, 1,025 keys) one stage ran the 48 launches in 411.5 against 427.2 us with two
-    num_stages = 2 if share > 8 * block_n else 1
-    if groups > PROGRAMS_PER_SM * num_sms:
-        # More groups than SMs (then never split): several programs share an SM, so smaller
-        # 4-warp programs, pipelined. An H200, 48-layer step, bs 32 decode (256 groups on 132
-        # SMs): 938.9 us with 128-key blocks, 4 warps, 2 stages on every layer against 1266.8
-        # with the rules above (256-key 8-warp blocks on SWA layers, 8 warps on full layers)
-        block_n, num_warps, num_stages = min(block_n, 128), 4, 2
     return tuple(
         dict(
             BLOCK_M=max(16, rows),
             ROWS=rows,
             BLOCK_N=block_n,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            num_warps=8 if block_n * block_d >= 128 * 128 and not crowded else 4,
+            # software pipelining only where a split's share (by the host bound) holds more
+            # than eight key blocks (or the programs are crowded). An H200, 48-layer step: with
+            # one block per program (bs 1; bs 8 SWA layers) one stage ran 1.16x (bs 1) and
+            # 1.07x (bs 8) faster than two; with four or five (bs 8 full layers, 1,025 keys)
+            # one stage ran the 48 launches in 411.5 against 427.2 us with two
+            num_stages=2 if crowded or share > 8 * block_n else 1,
             num_splits=splits,
             MERGE_CHUNK=max(1, min(splits, MERGE_ROWS // rows)),
         ).items()
