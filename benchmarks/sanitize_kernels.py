@@ -2,8 +2,10 @@
 
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
 ``--tool racecheck``): the store (Triton and C++), the step-metadata launch, the one-launch
-small decode (store + split attention + atomic-ticket merge), and paged attention for verify
-(split KV + combine) and extend, on SWA and full layers, eager and in a captured graph.
+small decode (store + split attention + atomic-ticket merge), and paged attention for extend
+and, with the one-launch path off, for decode and verify storing the step in its own launch
+(split KV + combine; its PDL prologue and early release on), on SWA and full layers, eager
+and in a captured graph.
 Small on purpose: the sanitizer slows kernels by orders of magnitude.
 """
 
@@ -29,10 +31,9 @@ SPEC = WorldSpec(
 )
 
 
-def main() -> int:
-    from attnplug_cuda.backend import CudaBackend
-
-    world = World(SPEC, CudaBackend, "cuda", seed=0)
+def _steps(backend_cls) -> World:
+    """A prefill, an eager decode, then a decode and a verify step replayed from graphs."""
+    world = World(SPEC, backend_cls, "cuda", seed=0)
     reqs = [world.new_request() for _ in range(3)]
     step = world.plan(ForwardMode.EXTEND, reqs, [40, 7, 100])
     world.run_eager(step)
@@ -47,6 +48,19 @@ def main() -> int:
         step = world.plan(mode, reqs, num_draft_tokens=3 if mode.is_speculative else None)
         runner.run(step.batch, step.inputs)
         world.commit(step)
+    return world
+
+
+def main() -> int:
+    from attnplug_cuda.backend import CudaBackend
+
+    class PagedSteps(CudaBackend):  # decode and verify through paged_attention, storing the step
+        one_launch_small_steps = False
+        paged_pdl_prologue = True
+        paged_pdl_release_early = True
+
+    world = _steps(CudaBackend)
+    _steps(PagedSteps)
     from attnplug_cuda.cpp_ext import cpp_ext_status, kv_store
 
     ok, reason = cpp_ext_status()

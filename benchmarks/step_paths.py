@@ -11,14 +11,17 @@ DRAFT_EXTEND, 4 drafts) at each ``--bs``. Each ``--path`` captures the step's la
 CUDA graph (PDL on, the backend's prologue and release rules) through one of the backend's
 layer paths:
 
-* ``two``: the KV store, then ``paged_attention`` (and its split combine);
+* ``two``: ``paged_attention`` (and its split combine), storing the step's K/V in its launch
+  for decode and draft steps (a KV store launch before it for longer steps, or ``paged_store=0``);
 * ``one``: ``store_attend``, one launch that stores and attends (the small steps' path);
 * ``store+one``: the KV store, then ``store_attend`` storing nothing (``loc=None``);
 * ``backend``: whatever the backend chooses for the step.
 
 ``KEY=INT`` pairs override keys of the attention kernel's plan on every layer (``full.`` /
-``swa.``: one kind of layer), as ``layer_timeline.py --variant`` does; ``prologue=0/1`` and
-``release_early=0/1`` set the backend's ``pdl_prologue`` / ``pdl_release_early`` instead. Every path's graph
+``swa.``: one kind of layer), as ``layer_timeline.py --variant`` does; ``prologue=0/1``,
+``release_early=0/1`` and ``paged_store=0/1`` set the backend's ``pdl_prologue`` /
+``pdl_release_early`` / ``paged_attention_stores`` instead (``two ... paged_store=0``: a KV
+store launch before each ``paged_attention``). Every path's graph
 replay is timed (CUDA events, median of 5 rounds), and the last layer's output compared with
 the first path's. ``--profile`` adds, per path, each kind of layer's period inside one replay
 (``torch.profiler``: from a layer's first kernel start to the next layer's) and the kernels'
@@ -49,7 +52,13 @@ from layer_timeline import NUM_LAYERS, _replay_us, capture_step, parse_variant, 
 PATHS = ("two", "one", "store+one", "backend")
 DEFAULT_PATHS = ("backend backend", "two two", "one one", "store+one store+one")
 #: ``KEY=0/1`` of a path that set the backend's PDL flags instead of a plan key
-BACKEND_FLAGS = {"prologue": "pdl_prologue", "release_early": "pdl_release_early"}
+BACKEND_FLAGS = {
+    "prologue": "pdl_prologue",
+    "release_early": "pdl_release_early",
+    "paged_store": "paged_attention_stores",
+    "paged_prologue": "paged_pdl_prologue",
+    "paged_release_early": "paged_pdl_release_early",
+}
 #: attention kernels of the backend's layer paths (one per layer)
 ATTENTION_KERNELS = ("_paged_attention_kernel", "_store_attend_kernel", "staged_attend", "resident_attend")
 

@@ -71,7 +71,15 @@ def run_case(
     check: bool = True,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    store: bool = False,
+    bad_locs: Optional[List[int]] = None,
+    **kernel_kw,
 ):
+    """One paged_attention call against float64. ``store``: the new tokens' cache rows hold
+    NaN before the call and the kernel stores them itself (``k``, ``v``, ``loc``); the cache
+    after the call must equal the cache with the rows written, nothing else changed.
+    ``bad_locs``: slot values for the first ``len(bad_locs)`` new tokens of the last request
+    (garbage the kernel must skip; their keys stay out of the reference too)."""
     g = torch.Generator().manual_seed(seed)
     bs = len(q_lens)
     padded = [s == PAD for s in seq_lens]
@@ -113,6 +121,30 @@ def run_case(
         locs.append(slots[s - n :])
     T = sum(q_lens)
     q = torch.randn(T, H, D, generator=g).to(dtype)
+    cache_k, cache_v = (k_full, v_full) if layer == "full" else (k_swa, v_swa)
+    store_args = {}
+    if store:
+        # the rows the step stores, and its slots in the layer's pool (SWA: translated)
+        k_new = torch.cat(
+            [h[h.shape[0] - n :] if not p else h.new_zeros(n, Hkv, D) for h, n, p in zip(hist_k, q_lens, padded)]
+        )
+        v_new = torch.cat(
+            [h[h.shape[0] - n :] if not p else h.new_zeros(n, Hkv, D) for h, n, p in zip(hist_v, q_lens, padded)]
+        )
+        loc = torch.cat(locs)
+        if layer != "full":
+            loc = torch.where(loc > 0, mapping[loc].long(), loc).int()
+        want_k, want_v = cache_k.clone(), cache_v.clone()
+        live = loc > 0
+        cache_k[loc[live].long()] = float("nan")  # read back unstored, they would show
+        cache_v[loc[live].long()] = float("nan")
+        if bad_locs:
+            first = T - q_lens[-1]
+            for i, bad in enumerate(bad_locs):
+                loc[first + i] = bad
+                want_k[locs[-1][i].long() if layer == "full" else mapping[locs[-1][i]].long()] = float("nan")
+                want_v[locs[-1][i].long() if layer == "full" else mapping[locs[-1][i]].long()] = float("nan")
+        store_args = dict(k=k_new.to(DEVICE), v=v_new.to(DEVICE), loc=loc.to(DEVICE))
 
     to = lambda t: t.to(DEVICE)  # noqa: E731
     rpi = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
@@ -142,16 +174,18 @@ def run_case(
         common["softcap"] = softcap
     if sinks is not None:
         common["sinks"] = sinks.to(DEVICE)
+    common.update(store_args, **kernel_kw)
+    dev_k, dev_v = to(cache_k), to(cache_v)
     if layer == "full":
         K.paged_attention(
-            to(q), to(k_full), to(v_full), out, table=to(req_to_token), table_rows=rpi, max_kv_len=max_ctx, **common
+            to(q), dev_k, dev_v, out, table=to(req_to_token), table_rows=rpi, max_kv_len=max_ctx, **common
         )
     else:
         assert window is not None
         K.paged_attention(
             to(q),
-            to(k_swa),
-            to(v_swa),
+            dev_k,
+            dev_v,
             out,
             table=table,
             table_rows=torch.arange(bs, dtype=torch.int32, device=DEVICE),
@@ -160,6 +194,9 @@ def run_case(
             **common,
         )
     want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D), softcap, sinks)
+    if store:
+        torch.testing.assert_close(dev_k.cpu(), want_k, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(dev_v.cpu(), want_v, rtol=0, atol=0, equal_nan=True)
     if check:
         got = out.cpu().double()
         assert torch.isfinite(got).all(), "non-finite output"
@@ -413,3 +450,103 @@ def test_softcap_and_sinks_match_float64(case):
     assert (got - base).norm() / want.norm() > 20 * TOL[torch.float16], "the feature changed nothing"
     no_key = want.norm(dim=-1) == 0  # the padded request's query: zeros, never NaN
     assert (got[no_key] == 0).all()
+
+
+STORE_CASES = [
+    # (q_lens, seq_lens, H, Hkv, D, dtype, layer, window, config)
+    ([1] * 4, [PAD, 9, 37, 70], 8, 2, 64, torch.float16, "full", None, None),  # decode
+    ([1] * 4, [PAD, 9, 37, 70], 8, 2, 128, torch.bfloat16, "swa", 16, None),
+    ([4, 4, 4], [13, PAD, 30], 8, 2, 64, torch.bfloat16, "swa", 5, None),  # 4 drafts: 16 rows
+    ([4, 2], [6, 21], 4, 4, 64, torch.float16, "full", None, None),  # group 1, ragged
+    ([1, 1, 2], [PAD, 80, 45], 8, 2, 64, torch.float16, "full", None, {"num_splits": 3, "BLOCK_N": 16}),
+    ([1, 2, 1], [33, 45, 80], 8, 2, 64, torch.float16, "swa", 50, {"num_splits": 4, "BLOCK_N": 16}),
+    ([2, 1], [9, 20], 4, 2, 64, torch.float32, "swa", 6, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(STORE_CASES)))
+def test_store_new_rows_in_the_attention_launch(case):
+    """With ``k, v, loc`` the kernel stores the step's rows and attends over them: the new
+    tokens' cache rows hold NaN before the call, so a program that read one before it was
+    stored (its own, or another split's) would give NaN; the cache after the call is the
+    cache with exactly those rows written."""
+    q_lens, seq_lens, H, Hkv, D, dtype, layer, window, config = STORE_CASES[case]
+    run_case(
+        q_lens, seq_lens, H=H, Hkv=Hkv, D=D, dtype=dtype, layer=layer, window=window, config=config, store=True,
+        seed=20 + case,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layer,window", [("full", None), ("swa", 12)])
+def test_store_skips_slots_outside_the_cache(layer, window):
+    """Slot 0 (the sink), -1 and values past the cache are skipped: nothing is written
+    anywhere (the whole cache is compared), and the other requests are exact."""
+    out, want = run_case(
+        [1, 1, 3], [20, 31, 40], H=8, Hkv=2, D=64, layer=layer, window=window, store=True, check=False,
+        bad_locs=[0, -1, 10**6], seed=30,
+    )  # fmt: skip
+    got = out[:2].cpu().double()
+    err = (got - want[:2]).norm() / want[:2].norm()
+    assert err <= TOL[torch.float16]
+
+
+def test_store_needs_one_row_tile():
+    """More rows a request than one tile (here 5 tokens x 4 heads) is an error that names
+    the limit, raised before anything runs: the cache is untouched."""
+    q, k_cache = torch.zeros(5, 8, 64, dtype=torch.float16), torch.zeros(10, 2, 64, dtype=torch.float16)
+    before = k_cache.clone()
+    with pytest.raises(AssertionError, match="max_q_len x group <= 16"):
+        K.paged_attention(
+            q.to(DEVICE), k_cache.to(DEVICE), k_cache.to(DEVICE), torch.empty_like(q).to(DEVICE),
+            cu_q_lens=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([9], dtype=torch.int32, device=DEVICE),
+            table=torch.ones(1, 9, dtype=torch.int32, device=DEVICE),
+            table_rows=torch.zeros(1, dtype=torch.int32, device=DEVICE), max_q_len=5, max_kv_len=9,
+            k=torch.ones(5, 2, 64, dtype=torch.float16, device=DEVICE),
+            v=torch.ones(5, 2, 64, dtype=torch.float16, device=DEVICE),
+            loc=torch.arange(1, 6, device=DEVICE),
+        )  # fmt: skip
+    assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(k=None), "k is needed with loc"),
+        (dict(k=torch.ones(3, 2, 64, dtype=torch.float16)), r"k must be \[2, 2, 64\]"),
+        (dict(v=torch.ones(2, 2, 64, dtype=torch.float32)), "v is torch.float32"),
+        (dict(loc=torch.ones(1, dtype=torch.int64)), r"loc must be \[>= 2\]"),
+        (dict(loc=torch.ones(2, dtype=torch.float32)), "loc must be"),
+    ],
+)
+def test_store_rejects_bad_new_rows(bad, match):
+    q = torch.zeros(2, 8, 64, dtype=torch.float16, device=DEVICE)
+    args = dict(
+        k=torch.ones(2, 2, 64, dtype=torch.float16),
+        v=torch.ones(2, 2, 64, dtype=torch.float16),
+        loc=torch.tensor([1, 2]),
+    )
+    args.update(bad)
+    args = {n: (t.to(DEVICE) if t is not None else None) for n, t in args.items()}
+    cache = torch.zeros(10, 2, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(AssertionError, match=match):
+        K.paged_attention(
+            q, cache, cache, torch.empty_like(q), cu_q_lens=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([3, 3], dtype=torch.int32, device=DEVICE),
+            table=torch.ones(2, 3, dtype=torch.int32, device=DEVICE),
+            table_rows=torch.arange(2, dtype=torch.int32, device=DEVICE), max_q_len=1, max_kv_len=3, **args,
+        )  # fmt: skip
+    assert not cache.any()
+
+
+@pytest.mark.skipif(len(PDL_MODES) < 2, reason="PDL needs a GPU of compute capability >= 9.0")
+def test_store_pdl_matches_non_pdl():
+    """PDL on, with and without the metadata read before the wait and the early release:
+    the same bits as PDL off, split or not."""
+    args = ([1, 4, 2], [50, 200, 9])
+    kw = dict(H=8, Hkv=2, D=128, dtype=torch.bfloat16, window=64, layer="swa", seed=40, store=True, check=False)
+    for cfg in (None, {"num_splits": 4}):
+        a, _ = run_case(*args, pdl=False, config=cfg, **kw)
+        for prologue, release_early in ((False, False), (True, False), (True, True), (False, True)):
+            b, _ = run_case(*args, pdl=True, config=cfg, prologue=prologue, release_early=release_early, **kw)
+            assert torch.equal(a, b), (cfg, prologue, release_early)

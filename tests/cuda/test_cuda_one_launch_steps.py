@@ -36,10 +36,16 @@ class TwoLaunch(CudaBackend):
     one_launch_small_steps = False
 
 
+class SeparateStore(TwoLaunch):
+    """The two-launch path as it was: a KV store launch, then the attention storing nothing."""
+
+    paged_attention_stores = False
+
+
 def _decode_twice(backend_cls, *, graphs: bool, mode=ForwardMode.DECODE, drafts=None):
     world = World(SPEC, backend_cls, DEVICE, seed=3)
     reqs = world.prefill([40, 9], backend=world.reference_backend)
-    outs, fused = [], []
+    outs, fused, paged_store = [], [], []
     runner = world.graph_runner(max_bs=2, num_draft_tokens=drafts, bucket_sizes=[2]) if graphs else None
     for _ in range(2):
         step = world.plan(mode, reqs, num_draft_tokens=drafts)
@@ -48,7 +54,10 @@ def _decode_twice(backend_cls, *, graphs: bool, mode=ForwardMode.DECODE, drafts=
         else:
             outs.append(runner.run(step.batch, step.inputs).float().clone())
         fused.append(world.backend.forward_metadata.fused)
+        paged_store.append(world.backend.forward_metadata.paged_store)
         world.advance(step)
+    if backend_cls is SeparateStore or backend_cls is TwoLaunch:
+        assert paged_store == [backend_cls.paged_attention_stores] * 2
     return outs, fused, world.snapshot_kv()
 
 
@@ -76,6 +85,23 @@ def test_draft_steps_of_up_to_16_rows_take_one_launch(graphs):
     _assert_same(one, two, kv_one, kv_two)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("mode,drafts", [(ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 6)])
+def test_paged_attention_storing_the_step_matches_a_separate_store(graphs, mode, drafts, monkeypatch):
+    """Steps beyond the one-launch path store their K/V inside paged_attention's launch: the
+    same cache and bit-identical outputs as a KV store launch first, and no store launch."""
+    stores = []
+    monkeypatch.setattr(TwoLaunch, "_store", lambda self, *args: stores.append(args))
+    inside, _, kv_inside = _decode_twice(TwoLaunch, graphs=graphs, mode=mode, drafts=drafts)
+    assert stores == []
+    monkeypatch.undo()
+    separate, _, kv_separate = _decode_twice(SeparateStore, graphs=graphs, mode=mode, drafts=drafts)
+    for a, b in zip(inside, separate):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(kv_inside, kv_separate):
+        assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(v1.nan_to_num(), v2.nan_to_num())
+
+
 def test_larger_steps_take_the_two_launch_path():
     world = World(SPEC, CudaBackend, DEVICE, seed=1)
     world.backend._num_sms = 3  # as the interpreter's stand-in, whatever GPU runs the test
@@ -83,9 +109,11 @@ def test_larger_steps_take_the_two_launch_path():
     step = world.plan(ForwardMode.DECODE, reqs)  # 4 requests x 2 kv heads on 3 SMs: > 2 groups an SM
     world.run_eager(step)
     assert world.backend.forward_metadata.fused is False
+    assert world.backend.forward_metadata.paged_store is True  # paged_attention stores the step
     step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=9)  # 9 x 2 rows > MAX_ROWS
     world.run_eager(step)
     assert world.backend.forward_metadata.fused is False
+    assert world.backend.forward_metadata.paged_store is False  # more rows than one tile: a store launch
 
 
 @pytest.mark.parametrize("graphs", [False, True])

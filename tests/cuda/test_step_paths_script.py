@@ -26,6 +26,7 @@ def test_parse_path():
 class _Backend:
     pdl_prologue = True
     pdl_release_early = True
+    paged_attention_stores = True
     kv_store_impl = "triton"
 
     def __init__(self):
@@ -36,11 +37,14 @@ class _Backend:
 
 def test_route_sets_plan_keys_per_kind_of_layer_and_the_pdl_flags():
     script = _script()
-    configs = script.parse_path("x two BLOCK_N=32 swa.num_splits=2 full.num_warps=8 prologue=0 release_early=0")[2]
+    path = "x two BLOCK_N=32 swa.num_splits=2 full.num_warps=8 prologue=0 release_early=0 paged_store=0"
+    configs = script.parse_path(path)[2]
     backend = _Backend()
     script.route(backend, "two", configs)
     assert backend.pdl_prologue is False and backend.pdl_release_early is False
-    assert configs[0] == {"BLOCK_N": 32, "prologue": 0, "release_early": 0}  # the parsed path is left as it was
+    assert backend.paged_attention_stores is False
+    # the parsed path is left as it was
+    assert configs[0] == {"BLOCK_N": 32, "prologue": 0, "release_early": 0, "paged_store": 0}
     assert backend._fused_eligible() is False
     backend._paged_attention(window=None)
     backend._paged_attention(window=256)
@@ -51,6 +55,7 @@ def test_route_sets_plan_keys_per_kind_of_layer_and_the_pdl_flags():
     plain = _Backend()
     script.route(plain, "store+one", script.parse_path("y store+one")[2])
     assert plain.pdl_prologue is True and plain.kv_store_impl == "triton-separate"
+    assert plain.paged_attention_stores is True
     assert plain._fused_eligible() is True
     plain._store_attend(window=None)
     assert plain.calls == [("one", None, None)]  # no keys: the kernel's own plan

@@ -11,11 +11,13 @@ layers ``staged_attend.takes_layer`` names run the CUDA C++ kernels of ``staged_
 instead: the staged kernel, each CTA's keys copied into shared memory before the PDL wait,
 where its CTAs cover the GPU; the resident kernel, one CTA a group holding its window in
 registers, for windowed steps of several tokens a request on half the GPU; decided once per
-step, ``_StepTables.staged``). Other steps run two launches, the KV store at
-the hoisted slots and the paged attention (plus a combine launch when the KV range is split
-for decode). With PDL, each one-launch layer after a step's first reads its metadata and
-cached K/V before waiting for the previous kernel and releases the next launch right after
-its wait, so consecutive layers overlap (the kernels' ``prologue`` and ``release_early``;
+step, ``_StepTables.staged``). Larger decode and draft steps run the paged attention alone,
+storing the step's K/V at the hoisted slots in the same launch (``paged_attention_stores``,
+``_StepTables.paged_store``); longer steps run two launches, the KV store and the paged
+attention. A combine launch follows when the KV range is split for decode. With PDL, each
+one-launch layer after a step's first reads its metadata and cached K/V before waiting for
+the previous kernel and releases the next launch right after its wait, so consecutive layers
+overlap (the kernels' ``prologue`` and ``release_early``;
 class flags ``pdl_prologue`` / ``pdl_release_early``).
 
 Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
@@ -72,6 +74,7 @@ class _StepTables:
     swa_window_table: Optional[torch.Tensor]  # [bs, width] int32: SWA slots of the window
     workspace: Optional[torch.Tensor]  # fp32 split-KV scratch (graph mode: static)
     fused: bool = False  # each layer is one store_attend launch (small steps)
+    paged_store: bool = False  # not fused: paged_attention stores the step's K/V in its launch
     staged: Tuple[bool, bool] = (False, False)  # (full, SWA) layers: staged_attend, not store_attend
     relaunch: Optional[object] = None  # graph mode: repeats the metadata launch (same buffers)
     relaunch_key: tuple = ()  # the batch tensors relaunch was built for
@@ -90,6 +93,18 @@ class CudaBackend(AttentionBackend):
     #: small decode steps run one ``store_attend`` launch per layer (False: always the KV
     #: store + attention launches; benchmarks compare the two)
     one_launch_small_steps: ClassVar[bool] = True
+    #: decode and draft steps beyond the one-launch path (up to ``MAX_ROWS`` (token, q head)
+    #: rows a request) store the step's K/V inside ``paged_attention``'s launch, not in a KV
+    #: store launch before it (False: a separate store; benchmarks compare the two)
+    paged_attention_stores: ClassVar[bool] = True
+    #: with PDL, ``paged_attention`` layers that store their step (``paged_attention_stores``)
+    #: read the step's metadata before waiting for the previous kernel, except the first
+    #: launch after the metadata launch (``paged_attention``'s ``prologue``); with
+    #: ``paged_pdl_release_early`` they release the next launch right after their wait. An
+    #: H200, 48-layer hybrid step, decode: both on 1520.7 / 2899.6 us at bs 64 / 128 against
+    #: 1549.0 / 2929.9 us with both off (the prologue alone: 1554.0 / 2936.1)
+    paged_pdl_prologue: ClassVar[bool] = True
+    paged_pdl_release_early: ClassVar[bool] = True
     #: with PDL, one-launch layers read their metadata and cached K/V before waiting for the
     #: previous kernel (``store_attend``'s ``prologue``), except the first launch after the
     #: step's metadata launch (False: wait first; benchmarks compare the two)
@@ -123,6 +138,7 @@ class CudaBackend(AttentionBackend):
         self._workspace_numel = kernels.workspace_numel
         self._store_attend = kernels.store_attend
         self._fused_eligible = kernels.store_attend_eligible
+        self._max_rows = kernels.store_attend_max_rows
         self._num_sms = kernels.num_sms(self.device)
         self.pdl, self.pdl_reason = pdl_supported(self.device)
         self.kv_store_impl, self.kv_store_reason = kv_store_choice()
@@ -216,6 +232,18 @@ class CudaBackend(AttentionBackend):
             bs, self.num_kv_heads, max_q_len, self.num_heads // self.num_kv_heads, self._num_sms
         )
 
+    def _paged_store(self, bs: int, max_q_len: int) -> bool:
+        """Whether a step that is not one ``store_attend`` launch a layer stores its K/V inside
+        ``paged_attention``'s launch (decode and draft steps: up to ``store_attend``'s
+        ``MAX_ROWS`` rows a request; the Triton store)."""
+        rows = max(1, max_q_len) * (self.num_heads // self.num_kv_heads)
+        return (
+            self.paged_attention_stores
+            and self.kv_store_impl == "triton"
+            and rows <= self._max_rows
+            and not self._fused_step(bs, max_q_len)
+        )
+
     def _staged_layers(self, bs: int, max_q_len: int) -> Tuple[bool, bool]:
         """Whether the full / SWA layers of a one-launch step of ``bs`` requests run the C++
         kernels of ``staged_attend`` (when they are on: ``takes_layer`` on the host bounds
@@ -264,6 +292,7 @@ class CudaBackend(AttentionBackend):
             swa_window_table=torch.empty(bs, self._table_width(max_q), **i32) if self.has_swa else None,
             workspace=None,
             fused=self._fused_step(bs, max_q),
+            paged_store=self._paged_store(bs, max_q),
             staged=self._staged_layers(bs, max_q),
         )
         if bs:
@@ -319,6 +348,7 @@ class CudaBackend(AttentionBackend):
                 swa_window_table=table,
                 workspace=b["workspace"],
                 fused=self._fused_step(bs, batch.q_len),
+                paged_store=self._paged_store(bs, batch.q_len),
                 staged=self._staged_layers(bs, batch.q_len),
             )
             self._graph_tables[key] = t
@@ -448,7 +478,8 @@ class CudaBackend(AttentionBackend):
         through the window table (only the keys the window reaches); the backend's
         ``logit_softcap`` and the layer's ``sinks`` (float32 ``[num_heads]`` or None).
         Small steps (``t.fused``) run ``store_attend``, which also stores k/v at ``loc``
-        (None: stored already, or not saved); other steps get ``loc=None`` here."""
+        (None: stored already, or not saved); ``paged_attention`` stores them too where
+        ``t.paged_store`` (other steps get ``loc=None`` here)."""
         out = torch.empty_like(q)
         if batch.num_tokens == 0:
             return out
@@ -472,6 +503,11 @@ class CudaBackend(AttentionBackend):
                 release_early=self.pdl_release_early,
                 **common,
             )
+        if t.paged_store:
+            prologue, self._after_metadata = self.paged_pdl_prologue and not self._after_metadata, False
+            common.update(prologue=prologue, release_early=self.paged_pdl_release_early)
+        if loc is not None:
+            common.update(k=k, v=v, loc=loc)
         return self._paged_attention(q, k_cache, v_cache, out, workspace=t.workspace, **common)
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
@@ -482,7 +518,7 @@ class CudaBackend(AttentionBackend):
         loc = None
         if save_kv_cache:
             loc = t.swa_out_cache_loc[: batch.num_tokens] if is_swa else batch.out_cache_loc
-            if not (t.fused and self.kv_store_impl == "triton"):  # a separate store launch
+            if not (t.fused and self.kv_store_impl == "triton") and not t.paged_store:  # a separate store launch
                 self._store(k, v, k_cache, v_cache, loc)
                 loc = None
         return self._attend(q, k, v, loc, k_cache, v_cache, is_swa, batch, t, sinks)

@@ -24,8 +24,10 @@ Around the new path's steps, in the same run:
   PDL where the backend uses it: ``floor.EmptyKernelFloor``) and the bandwidth floor (the
   step's bytes, ``attnplug.bench.floors.step_bytes``, at the device-to-device copy bandwidth
   measured first); times held to ``TIME_TARGETS_US``;
-* **one launch per layer**: at bs 1 and 8 the same backend with its one-launch small steps off
-  (variant ``new-two-launch``: KV store + attention launches): ``new-two-launch / new``;
+* **one launch per layer**: at bs 1, 8 and 32 the same backend with its one-launch small steps
+  off (variant ``new-two-launch``: KV store + attention launches): ``new-two-launch / new``;
+  at bs 64 and 128 (where ``paged_attention`` stores the step itself) the same backend with
+  a KV store launch before each attention (``new-store-launch``), bit-identical to ``new``;
   and its one-launch layers without the PDL prologue (``new-no-prologue``) and releasing the
   next launch after their last store (``new-release-late``), each bit-identical to ``new``;
 * **PDL**: at bs 1 the same backend built with ``ATTNPLUG_DISABLE_PDL=1`` (variant
@@ -70,6 +72,8 @@ FLASHINFER_TARGETS = {1: 3.0, 8: 3.0, 64: 1.4}
 PREP_BS, PREP_TARGET_US = 128, 30.0
 #: batch sizes where the two-launch path is timed against the one-launch small steps
 TWO_LAUNCH_SIZES = (1, 8, 32)
+#: batch sizes where paged_attention storing the step is timed against a KV store launch first
+STORE_LAUNCH_SIZES = (64, 128)
 SHAPE = StepShape(
     num_layers=NUM_LAYERS,
     num_heads=32,
@@ -108,8 +112,9 @@ def cuda_backend_without_pdl(*args, **kwargs):
 
 def cuda_backend_with(**flags):
     """A maker of the cuda backend with some of its class flags changed (a subclass), for the
-    variants that switch one of its features off: ``one_launch_small_steps=False`` (every step
-    on the two-launch path: KV store + attention), ``pdl_prologue=False`` (the one-launch
+    variants that switch one of its features off: ``one_launch_small_steps=False`` (with
+    ``paged_attention_stores=False``: every step on the two-launch path, KV store + attention),
+    ``pdl_prologue=False`` (the one-launch
     layers wait before any load), ``pdl_release_early=False`` (they release the next launch
     after their last store)."""
 
@@ -127,7 +132,8 @@ def variants() -> dict:
     ``new-two-launch``: the cuda backend without its one-launch small steps, at
     ``TWO_LAUNCH_SIZES``; ``new-no-prologue`` / ``new-release-late``: its one-launch layers
     without the PDL prologue / releasing the next launch after their last store, at
-    ``TWO_LAUNCH_SIZES``."""
+    ``TWO_LAUNCH_SIZES``; ``new-store-launch``: a KV store launch before each
+    ``paged_attention``, at ``STORE_LAUNCH_SIZES``."""
     from ..backend import CudaBackend
     from .before import BeforeBackend
 
@@ -136,9 +142,14 @@ def variants() -> dict:
         "new": StepVariant(make=CudaBackend, floor=True),
         "before": StepVariant(make=BeforeBackend, with_cpu=True),
         "new-no-pdl": StepVariant(make=cuda_backend_without_pdl, sizes=PDL_SIZES, vs_baseline=False),
-        "new-two-launch": StepVariant(make=cuda_backend_with(one_launch_small_steps=False), **small),
+        "new-two-launch": StepVariant(
+            make=cuda_backend_with(one_launch_small_steps=False, paged_attention_stores=False), **small
+        ),
         "new-no-prologue": StepVariant(make=cuda_backend_with(pdl_prologue=False), **small),
         "new-release-late": StepVariant(make=cuda_backend_with(pdl_release_early=False), **small),
+        "new-store-launch": StepVariant(
+            make=cuda_backend_with(paged_attention_stores=False), sizes=STORE_LAUNCH_SIZES, vs_baseline=False
+        ),
     }
 
 
@@ -163,6 +174,7 @@ def run(ctx: Ctx) -> List[dict]:
     one_launch = StepRatio(slow="new-two-launch", fast="new")
     prologue = StepRatio(slow="new-no-prologue", fast="new", identical=True)
     release_early = StepRatio(slow="new-release-late", fast="new", identical=True)
+    store_in_attention = StepRatio(slow="new-store-launch", fast="new", identical=True)
     return run_step_benchmark(
         ctx,
         name=NAME,
@@ -177,7 +189,7 @@ def run(ctx: Ctx) -> List[dict]:
         tolerance=1e-2,
         time_targets=TIME_TARGETS_US,
         launch_floor=EmptyKernelFloor(ctx.timer, repeats=3 if ctx.quick else 5),
-        ratios=[pdl_ratio, one_launch, prologue, release_early],
+        ratios=[pdl_ratio, one_launch, prologue, release_early, store_in_attention],
         peers=[flashinfer_peer()],
         prep=PrepCheck(variant="new", bs=PREP_BS, target_us=PREP_TARGET_US, iters=300 if ctx.quick else 2000),
     )

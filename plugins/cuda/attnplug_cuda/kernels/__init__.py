@@ -53,6 +53,7 @@ def load_kernels() -> types.SimpleNamespace:
         workspace_numel=_pa.workspace_numel,
         store_attend=_sa.store_attend,
         store_attend_eligible=_sa.eligible,
+        store_attend_max_rows=_sa.MAX_ROWS,
         store_attend_workspace_numel=_sa.store_attend_workspace_numel,
         num_sms=_sa.num_sms,
     )

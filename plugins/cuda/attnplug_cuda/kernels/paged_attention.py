@@ -68,7 +68,13 @@ buffer of ``workspace_numel(max_num_tokens, H, D)`` elements (enough for every h
 plan) in graph mode, otherwise the wrapper allocates one per call.
 
 PDL: both kernels ``gdc_wait`` before their first load (q and the cache were just written)
-and release dependents after their last store.
+and release dependents after their last store; with ``prologue`` the attention kernel reads
+the step's metadata before its wait, with ``release_early`` it releases right after it.
+
+Storing the step (``loc``, decode and draft steps): every program first stores kv head ``hk``
+of its request's new K/V rows (the programs of one group's KV splits write the same bytes),
+then a CTA barrier orders those stores before its reads of the cache, so the layer needs no
+KV store launch; the cache and the output are those of ``kv_store`` followed by this kernel.
 """
 
 from __future__ import annotations
@@ -83,7 +89,14 @@ import triton.language as tl
 
 from .interpret import ensure_interpreter_compat
 
-__all__ = ["paged_attention", "plan_attention", "workspace_numel", "check_attention_args", "log2_scales"]
+__all__ = [
+    "paged_attention",
+    "plan_attention",
+    "workspace_numel",
+    "check_attention_args",
+    "check_new_rows",
+    "log2_scales",
+]
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -93,6 +106,9 @@ MAX_SPLITS = 64
 SPLIT_TOKEN_BUDGET = 2048
 #: a split covers at least this many keys (fewer keys: the combine costs more than it saves)
 MIN_KEYS_PER_SPLIT = 256
+#: most (token, q head) rows of one request whose new K/V rows the attention kernel stores
+#: (``loc``): one 16-row tile, decode and short drafts
+STORE_ROWS = 16
 #: split the KV range until about this many programs per SM exist (H200, bs=8/32/64 decode
 #: over 4096 keys: 7, 2 and 1 splits came out best or within 3% of it)
 PROGRAMS_PER_SM = 3
@@ -186,6 +202,9 @@ def _paged_attention_kernel(
     K,
     V,
     Out,
+    KNew,  # with STORE: [T, Hkv, D] the step's new K rows, stored at Loc
+    VNew,
+    Loc,  # with STORE: [>= T] cache slot of each new token ([1, S) stored, anything else skipped)
     PartM,
     PartL,
     PartAcc,
@@ -203,6 +222,8 @@ def _paged_attention_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
+    stride_knt,
+    stride_vnt,
     stride_table,
     table_width,
     table_rows_len,  # R: rows of the table
@@ -219,19 +240,31 @@ def _paged_attention_kernel(
     PHASES: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    STORE: tl.constexpr,
     PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # with PDL: read the step's metadata before gdc_wait
+    RELEASE_EARLY: tl.constexpr,  # with PDL: release the dependents right after gdc_wait
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // num_kv_heads
     hk = pid_bh % num_kv_heads
-    if PDL:
+    if PDL and not PROLOGUE:
         tl.extra.cuda.gdc_wait()
 
     q_start = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q_start
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    t_idx = tl.load(TableRows + b).to(tl.int64)
+    if HAS_TABLE_START:
+        t_start = tl.load(TableStart + b).to(tl.int32)
+    else:
+        t_start = 0
+    if PDL and PROLOGUE:
+        tl.extra.cuda.gdc_wait()
+    if PDL and RELEASE_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     n_rows = q_len * G
 
     # rows of this program: (token, head of the group) pairs
@@ -269,15 +302,24 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
 
-    t_idx = tl.load(TableRows + b).to(tl.int64)
     t_idx = tl.where((t_idx >= 0) & (t_idx < table_rows_len), t_idx, 0)  # outside the table: row 0
     t_row = Table + t_idx * stride_table
-    if HAS_TABLE_START:
-        t_start = tl.load(TableStart + b).to(tl.int32)
-    else:
-        t_start = 0
     kv_stride = num_kv_heads * HEAD_DIM
     kv_col = hk * HEAD_DIM + offs_d
+    if STORE:
+        # Every program of the group stores kv head hk of the request's new rows (the tile
+        # holds all of them: one row block; the first head of each token is its row), then
+        # waits for the CTA's stores before reading the cache. Programs of one group (its KV
+        # splits) write the same bytes, so each reads the new rows whoever wrote last.
+        first = row_valid & (offs_m % G == 0)
+        slot_new = tl.load(Loc + q_rows, mask=first, other=0).to(tl.int64)
+        st_mask = (first & (slot_new >= 1) & (slot_new < num_slots))[:, None] & d_valid[None, :]
+        kn = tl.load(KNew + q_rows[:, None] * stride_knt + kv_col[None, :], mask=st_mask)
+        vn = tl.load(VNew + q_rows[:, None] * stride_vnt + kv_col[None, :], mask=st_mask)
+        dst = slot_new[:, None] * kv_stride + kv_col[None, :]
+        tl.store(K + dst, kn, mask=st_mask)
+        tl.store(V + dst, vn, mask=st_mask)
+        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -339,7 +381,7 @@ def _paged_attention_kernel(
         tl.store(PartM + prow, m_i, mask=row_valid)
         tl.store(PartL + prow, l_i, mask=row_valid)
         tl.store(PartAcc + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rd_mask)
-    if PDL:
+    if PDL and not RELEASE_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -529,6 +571,32 @@ def check_attention_args(
     return T, H, D, hkv, G, bs
 
 
+def check_new_rows(
+    k: torch.Tensor, v: torch.Tensor, loc: Optional[torch.Tensor], q: torch.Tensor, num_kv_heads: int
+) -> None:
+    """The host checks of the step's new K/V rows and their slots that an attention kernel
+    stores: ``k``, ``v`` ``[T, Hkv, D]`` in q's dtype on q's device with a contiguous last dim
+    and dense heads, ``loc`` (None: nothing stored) ``[>= T]`` int32/int64 on q's device."""
+    T, _, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        assert t is not None, f"{name} is needed with loc (the rows to store)"
+        assert t.dim() == 3 and t.shape == (T, num_kv_heads, D), (
+            f"{name} must be [{T}, {num_kv_heads}, {D}], got {tuple(t.shape)}"
+        )
+        assert t.stride(2) == 1 and (num_kv_heads == 1 or t.stride(1) == D), (
+            f"{name} needs a contiguous last dim, dense heads"
+        )
+        assert t.dtype == q.dtype and t.device == q.device, (
+            f"{name} is {t.dtype} on {t.device}, q {q.dtype} on {q.device}"
+        )
+    if loc is None:
+        return
+    assert loc.dim() == 1 and loc.shape[0] >= T and loc.dtype in (torch.int32, torch.int64), (
+        f"loc must be [>= {T}] int32/int64, got {tuple(loc.shape)} {loc.dtype}"
+    )
+    assert loc.device == q.device, f"loc is on {loc.device}, q on {q.device}"
+
+
 def log2_scales(sm_scale: Optional[float], softcap: Optional[float], head_dim: int) -> Tuple[float, float]:
     """``(qk_scale, softcap_log2)`` the kernels take: base-2 logits are ``qk * qk_scale``, or
     with a cap ``c`` ``tanh(qk * qk_scale) * softcap_log2`` (``qk_scale = sm_scale / c``,
@@ -559,8 +627,25 @@ def paged_attention(
     config: Optional[dict] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    loc: Optional[torch.Tensor] = None,
+    prologue: bool = False,
+    release_early: bool = False,
 ) -> torch.Tensor:
     """Write attention of ``q`` over the paged cache into ``out`` and return ``out``.
+
+    ``loc`` (with ``k`` and ``v``): first store the step's new rows in the same launch,
+    ``k_cache[loc[t]] = k[t]`` and ``v_cache[loc[t]] = v[t]`` for every ``loc[t]`` in
+    ``[1, S)`` (``kv_store``'s rule; the result is that of ``kv_store`` then this call).
+    ``k``, ``v``: ``[T, Hkv, D]``, q's dtype, last dim contiguous, heads dense; ``loc``:
+    ``[>= T]`` int32/int64. Only for steps whose rows fit one tile (``max_q_len * G <= 16``,
+    decode and short drafts). None: nothing stored.
+
+    ``prologue`` (with ``pdl``): read the step's metadata (``cu_q_lens``, ``seq_lens``,
+    ``table_rows``, ``table_start``) before ``gdc_wait``; only for a launch whose previous
+    kernel did not write them. ``release_early`` (with ``pdl``): release the next launch right
+    after ``gdc_wait`` rather than after the last store.
 
     ``softcap``: None, or ``c > 0``: logits ``c * tanh(sm_scale * q.k / c)``. ``sinks``: None,
     or float32 ``[H]`` on q's device: per-head sink logits (natural log) added to the softmax
@@ -589,6 +674,11 @@ def paged_attention(
         sinks=sinks,
     )
     device = q.device
+    if loc is not None:
+        check_new_rows(k, v, loc, q, hkv)
+        assert max(1, max_q_len) * G <= STORE_ROWS, (
+            f"storing the new rows needs max_q_len x group <= {STORE_ROWS}, got {max_q_len} x {G}"
+        )
     if T == 0 or bs == 0:
         return out
     qk_scale, softcap_log2 = log2_scales(sm_scale, softcap, D)
@@ -609,6 +699,8 @@ def paged_attention(
     splits = int(plan["num_splits"])
     block_d = triton.next_power_of_2(D)
     extra = {"launch_pdl": True} if pdl else {}
+    if loc is not None:
+        assert plan["BLOCK_M"] >= max(1, max_q_len) * G, f"storing the new rows needs one row block, got {plan}"
 
     if splits > 1:
         need = T * H * splits * (D + 2)
@@ -632,6 +724,9 @@ def paged_attention(
         k_cache,
         v_cache,
         out,
+        k if loc is not None else q,  # not read without STORE
+        v if loc is not None else q,
+        loc if loc is not None else cu_q_lens,
         part_m,
         part_l,
         part_acc,
@@ -649,6 +744,8 @@ def paged_attention(
         q.stride(1),
         out.stride(0),
         out.stride(1),
+        k.stride(0) if loc is not None else 0,
+        v.stride(0) if loc is not None else 0,
         table.stride(0),
         table.shape[1],
         table.shape[0],
@@ -665,7 +762,10 @@ def paged_attention(
         PHASES=bool(plan["PHASES"]),
         SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
+        STORE=loc is not None,
         PDL=pdl,
+        PROLOGUE=pdl and prologue,
+        RELEASE_EARLY=pdl and release_early,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
         **extra,

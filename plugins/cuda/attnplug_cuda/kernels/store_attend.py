@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from .interpret import ensure_interpreter_compat
-from .paged_attention import _num_sms, _tanh, check_attention_args, log2_scales
+from .paged_attention import _num_sms, _tanh, check_attention_args, check_new_rows, log2_scales
 
 __all__ = ["store_attend", "plan_store_attend", "store_attend_workspace_numel", "max_split_programs", "MAX_ROWS"]
 
@@ -601,15 +601,7 @@ def store_attend(
     )
     device = q.device
     assert 1 <= max_q_len * G <= MAX_ROWS, f"max_q_len {max_q_len} x group {G} exceeds {MAX_ROWS} rows"
-    for name, t in (("k", k), ("v", v)):
-        assert t.dim() == 3 and t.shape == (T, hkv, D), f"{name} must be [{T}, {hkv}, {D}], got {tuple(t.shape)}"
-        assert t.stride(2) == 1 and (hkv == 1 or t.stride(1) == D), f"{name} needs a contiguous last dim, dense heads"
-        assert t.dtype == q.dtype and t.device == device, f"{name} is {t.dtype} on {t.device}, q {q.dtype} on {device}"
-    if loc is not None:
-        assert loc.dim() == 1 and loc.shape[0] >= T and loc.dtype in (torch.int32, torch.int64), (
-            f"loc must be [>= {T}] int32/int64, got {tuple(loc.shape)} {loc.dtype}"
-        )
-        assert loc.device == device, f"loc is on {loc.device}, q on {device}"
+    check_new_rows(k, v, loc, q, hkv)
     for name, t, dtype in (("workspace", workspace, torch.float32), ("tickets", tickets, torch.int32)):
         assert t.dtype == dtype and t.is_contiguous() and t.device == device, (
             f"{name} must be contiguous {dtype} on {device}, got {t.dtype} on {t.device}"
