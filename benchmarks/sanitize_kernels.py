@@ -56,8 +56,6 @@ def main() -> int:
 
     class PagedSteps(CudaBackend):  # decode and verify through paged_attention, storing the step
         one_launch_small_steps = False
-        paged_pdl_prologue = True
-        paged_pdl_release_early = True
 
     world = _steps(CudaBackend)
     _steps(PagedSteps)

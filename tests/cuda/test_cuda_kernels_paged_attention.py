@@ -125,12 +125,12 @@ def run_case(
     store_args = {}
     if store:
         # the rows the step stores, and its slots in the layer's pool (SWA: translated)
-        k_new = torch.cat(
-            [h[h.shape[0] - n :] if not p else h.new_zeros(n, Hkv, D) for h, n, p in zip(hist_k, q_lens, padded)]
-        )
-        v_new = torch.cat(
-            [h[h.shape[0] - n :] if not p else h.new_zeros(n, Hkv, D) for h, n, p in zip(hist_v, q_lens, padded)]
-        )
+        def step_rows(hist):  # the last n rows of each history (zeros for a padded request)
+            return torch.cat(
+                [h.new_zeros(n, Hkv, D) if p else h[h.shape[0] - n :] for h, n, p in zip(hist, q_lens, padded)]
+            )
+
+        k_new, v_new = step_rows(hist_k), step_rows(hist_v)
         loc = torch.cat(locs)
         if layer != "full":
             loc = torch.where(loc > 0, mapping[loc].long(), loc).int()
@@ -138,12 +138,11 @@ def run_case(
         live = loc > 0
         cache_k[loc[live].long()] = float("nan")  # read back unstored, they would show
         cache_v[loc[live].long()] = float("nan")
-        if bad_locs:
-            first = T - q_lens[-1]
-            for i, bad in enumerate(bad_locs):
-                loc[first + i] = bad
-                want_k[locs[-1][i].long() if layer == "full" else mapping[locs[-1][i]].long()] = float("nan")
-                want_v[locs[-1][i].long() if layer == "full" else mapping[locs[-1][i]].long()] = float("nan")
+        first = T - q_lens[-1]
+        for i, bad in enumerate(bad_locs or []):
+            slot = loc[first + i].long()
+            want_k[slot] = want_v[slot] = float("nan")  # never stored: stays as set above
+            loc[first + i] = bad
         store_args = dict(k=k_new.to(DEVICE), v=v_new.to(DEVICE), loc=loc.to(DEVICE))
 
     to = lambda t: t.to(DEVICE)  # noqa: E731

@@ -93,9 +93,9 @@ class CudaBackend(AttentionBackend):
     #: small decode steps run one ``store_attend`` launch per layer (False: always the KV
     #: store + attention launches; benchmarks compare the two)
     one_launch_small_steps: ClassVar[bool] = True
-    #: decode and draft steps beyond the one-launch path (up to ``MAX_ROWS`` (token, q head)
-    #: rows a request) store the step's K/V inside ``paged_attention``'s launch, not in a KV
-    #: store launch before it (False: a separate store; benchmarks compare the two)
+    #: decode and draft steps beyond the one-launch path (up to ``paged_attention``'s
+    #: ``STORE_ROWS`` (token, q head) rows a request) store the step's K/V inside its launch,
+    #: not in a KV store launch before it (False: a separate store; benchmarks compare the two)
     paged_attention_stores: ClassVar[bool] = True
     #: with PDL, ``paged_attention`` layers that store their step (``paged_attention_stores``)
     #: read the step's metadata before waiting for the previous kernel, except the first
@@ -138,7 +138,7 @@ class CudaBackend(AttentionBackend):
         self._workspace_numel = kernels.workspace_numel
         self._store_attend = kernels.store_attend
         self._fused_eligible = kernels.store_attend_eligible
-        self._max_rows = kernels.store_attend_max_rows
+        self._store_rows = kernels.paged_attention_store_rows
         self._num_sms = kernels.num_sms(self.device)
         self.pdl, self.pdl_reason = pdl_supported(self.device)
         self.kv_store_impl, self.kv_store_reason = kv_store_choice()
@@ -234,13 +234,13 @@ class CudaBackend(AttentionBackend):
 
     def _paged_store(self, bs: int, max_q_len: int) -> bool:
         """Whether a step that is not one ``store_attend`` launch a layer stores its K/V inside
-        ``paged_attention``'s launch (decode and draft steps: up to ``store_attend``'s
-        ``MAX_ROWS`` rows a request; the Triton store)."""
+        ``paged_attention``'s launch (decode and draft steps: up to its ``STORE_ROWS`` rows a
+        request; the Triton store)."""
         rows = max(1, max_q_len) * (self.num_heads // self.num_kv_heads)
         return (
             self.paged_attention_stores
             and self.kv_store_impl == "triton"
-            and rows <= self._max_rows
+            and rows <= self._store_rows
             and not self._fused_step(bs, max_q_len)
         )
 

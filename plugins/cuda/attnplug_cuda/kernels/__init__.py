@@ -51,9 +51,9 @@ def load_kernels() -> types.SimpleNamespace:
         step_metadata_padded_copy=_sm.PaddedCopy,
         paged_attention=_pa.paged_attention,
         workspace_numel=_pa.workspace_numel,
+        paged_attention_store_rows=_pa.STORE_ROWS,
         store_attend=_sa.store_attend,
         store_attend_eligible=_sa.eligible,
-        store_attend_max_rows=_sa.MAX_ROWS,
         store_attend_workspace_numel=_sa.store_attend_workspace_numel,
         num_sms=_sa.num_sms,
     )
