@@ -367,12 +367,17 @@ def _dense(q, k, v, keep, sm_scale):
     return out
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("q_len,phases", [(1, False), (16, True)], ids=["decode", "extend-interior"])
-def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases):
+def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases, prefetch):
     """Table entries outside [1, S) (the sink 0, -1 "no slot", garbage >= S) inside a request's
     range are no keys: nothing outside the cache is read, and the sink's NaN / Inf and the
     free slots' NaN never reach an output (masked loads, not a multiplication by zero). A
-    table row outside the table reads row 0: no key, zeros."""
+    table row outside the table reads row 0: no key, zeros. ``prefetch``: the same with the
+    PDL prologue's L2 prefetch over every key block (its addresses stay inside the cache)."""
+    if prefetch and len(PDL_MODES) < 2:
+        pytest.skip("the prefetch runs with PDL: a GPU of compute capability >= 9.0")
+    pdl_kw = dict(pdl=True, prologue=True, config={"PHASES": phases, "PREFETCH": 16}) if prefetch else {}
     H, Hkv, D, S, seq = 4, 2, 64, 512, 200
     g = torch.Generator().manual_seed(3)
     k_cache = torch.full((S, Hkv, D), float("nan"), dtype=torch.float16)  # free slots: NaN
@@ -405,7 +410,7 @@ def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases):
         table_rows=to(torch.tensor([1, -1], dtype=torch.int64)),  # -1: outside the table
         max_q_len=q_len,
         max_kv_len=256,
-        config={"PHASES": phases},
+        **(pdl_kw or dict(config={"PHASES": phases})),
     )
     got = out.cpu().double()
     assert torch.isfinite(got).all(), "a masked column leaked NaN/Inf into an output"
@@ -549,3 +554,26 @@ def test_store_pdl_matches_non_pdl():
         for prologue, release_early in ((False, False), (True, False), (True, True), (False, True)):
             b, _ = run_case(*args, pdl=True, config=cfg, prologue=prologue, release_early=release_early, **kw)
             assert torch.equal(a, b), (cfg, prologue, release_early)
+
+
+@pytest.mark.skipif(len(PDL_MODES) < 2, reason="PDL needs a GPU of compute capability >= 9.0")
+@pytest.mark.parametrize("store", [False, True], ids=["cached", "store"])
+def test_prefetch_matches_non_pdl(store):
+    """The L2 prefetch of the first key blocks before the wait (``PREFETCH``, with the
+    prologue) is a hint only: the same bits as PDL off without it, split or not, full and SWA
+    layers, prefetch depths short of and past the program's key range."""
+    kw = dict(H=8, Hkv=2, D=128, dtype=torch.bfloat16, seed=41, store=store, check=False)
+    cases = [
+        (([1, 4, 2], [50, 200, 9]), dict(window=64, layer="swa")),
+        (([1, 1, 3], [PAD, 300, 77]), dict(layer="full")),
+    ]
+    for (q_lens, seq_lens), layer_kw in cases:
+        for cfg in ({}, {"num_splits": 4}):
+            a, _ = run_case(q_lens, seq_lens, pdl=False, config=cfg or None, **layer_kw, **kw)
+            for depth in (1, 3, 16):
+                for release_early in (False, True):
+                    b, _ = run_case(
+                        q_lens, seq_lens, pdl=True, config={**cfg, "PREFETCH": depth}, prologue=True,
+                        release_early=release_early, **layer_kw, **kw,
+                    )  # fmt: skip
+                    assert torch.equal(a, b), (layer_kw, cfg, depth, release_early)

@@ -42,3 +42,17 @@ def test_store_attend_resources_table():
     assert by_layer["swa"]["splits"] == "8" and by_layer["full"]["splits"] == "16"
     for row in by_layer.values():
         assert 0 < int(row["registers"]) <= 255 and int(row["shared_bytes"]) > 0 and int(row["programs_per_sm"]) >= 1
+
+
+def test_paged_attention_prefetches_its_first_key_blocks_before_the_wait():
+    """With the PDL prologue, ``PREFETCH`` blocks' cached K/V lines are sent to L2 before
+    ``griddepcontrol.wait`` (each depth adds the same count: one block's K and V lines), none
+    without it, at no register cost; the plan's decode tiles take one block."""
+    result = json.loads(_run(os.path.join(HERE, "paged_prefetch_probe.py")).strip().splitlines()[-1])
+    none, one, two, plan = result["0"], result["1"], result["2"], result["plan"]
+    assert none["prefetches"] == 0, result
+    assert one["prefetches"] > 0 and two["prefetches"] == 2 * one["prefetches"], result
+    for r in (one, two):
+        assert r["before_wait"] == r["prefetches"], result
+    assert plan["depth"] == 1 and plan["prefetches"] == one["prefetches"], result
+    assert one["registers"] <= none["registers"] + 8, result
