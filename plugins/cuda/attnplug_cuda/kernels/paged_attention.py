@@ -487,8 +487,9 @@ def plan_attention(
     window: Optional[int],
     num_sms: int,
 ) -> dict:
-    """Block sizes, warps, stages, KV splits and loop shape (``PHASES``: unmasked interior
-    loop) for one call, from host ints only. Cached: the wrapper asks on every launch."""
+    """Block sizes, warps, stages, KV splits, loop shape (``PHASES``: unmasked interior loop)
+    and the key blocks prefetched to L2 before a PDL prologue's wait (``PREFETCH``) for one
+    call, from host ints only. Cached: the wrapper asks on every launch."""
     return dict(_plan(num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms))
 
 
