@@ -138,6 +138,20 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _key_slots(t_row, start, s_hi, t_start, table_width, num_slots, BLOCK_N: tl.constexpr, IN_RANGE: tl.constexpr):
+    """Positions ``start + [0, BLOCK_N)``, their cache slots and which of them are keys. A
+    column outside the table, or with ``IN_RANGE`` a position at or past ``s_hi``, reads slot
+    0; a slot outside ``[1, num_slots)`` is no key."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    col = offs_n - t_start
+    if IN_RANGE:
+        slot = tl.load(t_row + col, mask=(offs_n < s_hi) & (col >= 0) & (col < table_width), other=0)
+    else:
+        slot = tl.load(t_row + col, mask=(col >= 0) & (col < table_width), other=0)
+    return offs_n, slot, (slot >= 1) & (slot < num_slots)
+
+
+@triton.jit
 def _attend_block(
     acc,
     l_i,
@@ -175,14 +189,7 @@ def _attend_block(
     logit is -inf (a bias folded into the scaling multiply-add), so it contributes exactly
     zero whatever the sink holds. With ``EVEN_D`` (head dim == BLOCK_D) the load mask is
     constant along the head dim, so K/V rows still load as full-width vectors."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    col = offs_n - t_start
-    if MASKED:
-        in_range = offs_n < s_hi
-        slot = tl.load(t_row + col, mask=in_range & (col >= 0) & (col < table_width), other=0)
-    else:
-        slot = tl.load(t_row + col, mask=(col >= 0) & (col < table_width), other=0)
-    has_key = (slot >= 1) & (slot < num_slots)
+    offs_n, slot, has_key = _key_slots(t_row, start, s_hi, t_start, table_width, num_slots, BLOCK_N, MASKED)
     if EVEN_D:
         kv_mask = has_key[:, None]
     else:
@@ -196,7 +203,7 @@ def _attend_block(
     else:
         qk = qk * qk_scale + no_key[None, :]
     if MASKED:
-        keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
+        keep = (offs_n[None, :] <= pos[:, None]) & (offs_n < s_hi)[None, :]
         if HAS_WINDOW:
             keep = keep & (offs_n[None, :] >= lo[:, None])
         qk = tl.where(keep, qk, float("-inf"))
@@ -318,14 +325,13 @@ def _paged_attention_kernel(
         # The cached K/V rows of the first PREFETCH key blocks do not depend on the previous
         # kernel: send their lines to L2 now, so the loads after the wait find them there or
         # on their way. Columns without a key prefetch the cache's first line (in bounds).
-        offs_pf = tl.arange(0, BLOCK_N)
         offs_line = tl.arange(0, PF_LINES) * LINE_ELEMS
         line_ok = offs_line < HEAD_DIM
         for i in range(PREFETCH):
-            keys = s_lo + i * BLOCK_N + offs_pf
-            pf_col = keys - t_start
-            pf_slot = tl.load(t_row + pf_col, mask=(keys < s_hi) & (pf_col >= 0) & (pf_col < table_width), other=0)
-            pf_ok = ((pf_slot >= 1) & (pf_slot < num_slots))[:, None] & line_ok[None, :]
+            _, pf_slot, pf_key = _key_slots(
+                t_row, s_lo + i * BLOCK_N, s_hi, t_start, table_width, num_slots, BLOCK_N, True
+            )
+            pf_ok = pf_key[:, None] & line_ok[None, :]
             pf_off = tl.where(pf_ok, pf_slot.to(tl.int64)[:, None] * kv_stride + hk * HEAD_DIM + offs_line[None, :], 0)
             _prefetch_l2(K + pf_off)
             _prefetch_l2(V + pf_off)
