@@ -136,17 +136,25 @@ def instrumented_store_attend():
     trace=int64 tensor)``); raises when the kernel's source no longer has an anchor."""
     from attnplug_cuda.kernels import store_attend as plugin
 
+    return instrumented_copy(plugin, _EDITS)
+
+
+def instrumented_copy(plugin, edits):
+    """A new module from ``plugin``'s source with each ``(anchor, text)`` of ``edits``
+    replaced once; raises, naming the file, when an anchor is no longer in the source."""
+    name = os.path.basename(plugin.__file__)
     src = open(plugin.__file__).read()
-    for anchor, text in _EDITS:
+    for anchor, text in edits:
         if anchor not in src:
-            raise RuntimeError(f"store_attend.py changed: no {anchor.strip()[:60]!r} to instrument")
+            raise RuntimeError(f"{name} changed: no {anchor.strip()[:60]!r} to instrument")
         src = src.replace(anchor, text, 1)
     # Triton reads a kernel's source from its file when it is defined: the copy lives in one
-    fd, path = tempfile.mkstemp(prefix="store_attend_stamped_", suffix=".py")
+    stem = name[: -len(".py")] + "_stamped"
+    fd, path = tempfile.mkstemp(prefix=stem + "_", suffix=".py")
     with os.fdopen(fd, "w") as f:
         f.write(src)
     try:
-        spec = importlib.util.spec_from_file_location("store_attend_stamped", path)
+        spec = importlib.util.spec_from_file_location(stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:

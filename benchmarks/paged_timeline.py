@@ -31,13 +31,10 @@ timed too (CUDA events, median of 5 x 200 replays). Needs a CUDA GPU with PDL (s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import linecache
 import os
 import statistics
 import sys
-import tempfile
 from typing import Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +47,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+from layer_timeline import NUM_LAYERS, _parse, _replay_us, instrumented_copy, world_step  # noqa: E402
+from step_paths import capture  # noqa: E402
 
 #: stamps a program writes (4 timer reads and its SM), in int64 slots of its trace row
 STAMPS = 8
@@ -121,23 +120,7 @@ def instrumented_paged_attention():
     trace=int64 tensor [programs, STAMPS])``); raises when the source no longer has an anchor."""
     from attnplug_cuda.kernels import paged_attention as plugin
 
-    src = open(plugin.__file__).read()
-    for anchor, text in _EDITS:
-        if anchor not in src:
-            raise RuntimeError(f"paged_attention.py changed: no {anchor.strip()[:60]!r} to instrument")
-        src = src.replace(anchor, text, 1)
-    # Triton reads a kernel's source from its file when it is defined: the copy lives in one
-    fd, path = tempfile.mkstemp(prefix="paged_attention_stamped_", suffix=".py")
-    with os.fdopen(fd, "w") as f:
-        f.write(src)
-    try:
-        spec = importlib.util.spec_from_file_location("paged_attention_stamped", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        os.unlink(path)
-    linecache.cache[path] = (len(src), None, src.splitlines(True), path)
-    return module
+    return instrumented_copy(plugin, _EDITS)
 
 
 def _programs(trace: torch.Tensor) -> List[torch.Tensor]:
@@ -212,19 +195,6 @@ def _traced(kernel, trace: torch.Tensor, swa_cfg: dict, full_cfg: dict):
     return run
 
 
-def _parse(pairs: List[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise ValueError(f"{pair!r}: expected KEY=INT")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise ValueError(f"{pair!r}: expected KEY=INT") from None
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bs", type=int, nargs="+", default=[64, 128])
@@ -238,9 +208,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("paged_timeline needs a CUDA GPU", file=sys.stderr)
         return 2
-    from layer_timeline import NUM_LAYERS, _replay_us, world_step
-    from step_paths import capture
-
     stamped = instrumented_paged_attention()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     report = {}
