@@ -86,8 +86,8 @@ _EDITS = (
     ("@triton.jit\ndef _key_block", _STAMP_FN),
     ("    Sinks,  # [H]", "    Trace,\n    Sinks,  # [H]"),
     (
-        "    RELEASE_EARLY: tl.constexpr,  # with PDL: release the dependents right after gdc_wait\n):",
-        "    RELEASE_EARLY: tl.constexpr,  # with PDL: release the dependents right after gdc_wait\n"
+        "    RELEASE_ENTRY: tl.constexpr,  # with PDL and PROLOGUE: release the dependents at entry\n):",
+        "    RELEASE_ENTRY: tl.constexpr,  # with PDL and PROLOGUE: release the dependents at entry\n"
         "    TRACE: tl.constexpr = False,\n):",
     ),
     (
@@ -125,8 +125,8 @@ _EDITS = (
         "        trace if trace is not None else workspace,\n        sinks if sinks is not None else workspace,\n",
     ),
     (
-        "        RELEASE_EARLY=pdl and release_early,\n",
-        "        RELEASE_EARLY=pdl and release_early,\n        TRACE=trace is not None,\n",
+        "        RELEASE_EARLY=pdl and release_early and not entry,\n",
+        "        RELEASE_EARLY=pdl and release_early and not entry,\n        TRACE=trace is not None,\n",
     ),
 )
 

@@ -176,3 +176,60 @@ def test_plan_and_eligibility():
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=256, num_sms=132
     )
     assert p["num_splits"] == 8 and p["BLOCK_N"] == 64 and p["num_stages"] == 1
+
+
+#: (seq_lens, q_len, run_case arguments): the step's own keys in their own block (``own_block``),
+#: the first key block laid out before the wait
+OWN_BLOCK_CASES = {
+    "decode_unsplit": ([23, 40, 9], 1, dict(splits=1)),
+    "decode_window_8_splits": ([23, 40, 9], 1, dict(splits=8, window=6)),
+    "sinks_16_splits_some_empty": ([23, 40, 9], 1, dict(splits=16, with_sinks=True)),
+    "softcap_sinks": ([33, 12], 1, dict(splits=2, softcap=2.0, with_sinks=True)),
+    "half_two_tokens_padded": ([30, 17], 2, dict(H=4, Hkv=1, dtype=torch.float16, window=5, splits=4, padded=2)),
+    "drafts_16_rows": ([300, 97], 4, dict(window=70, splits=16, with_sinks=True)),
+    "no_store": ([21, 8], 1, dict(splits=2, store=False)),
+    # 16-key blocks: the own tokens (3 a request) straddle split and block edges
+    "garbage_slots_small_blocks_split": ([75, 50, 34], 3, dict(H=4, splits=4, bad_loc=True, config={"BLOCK_N": 16})),
+    "garbage_slots_small_blocks": ([75, 50, 34], 3, dict(H=4, splits=1, bad_loc=True, config={"BLOCK_N": 16})),
+    "loose_host_bound": ([256], 1, dict(splits=16, max_kv_len=4096)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_BLOCK_CASES))
+def test_own_keys_in_their_own_block_match_exact_attention(name):
+    seq_lens, q_len, kw = OWN_BLOCK_CASES[name]
+    kw = dict(kw)
+    config = dict(kw.pop("config", {}), own_block=1)
+    res = run_case(seq_lens, q_len, config=config, seed=3, **kw)
+    _check(
+        res,
+        kw.get("dtype", torch.float32),
+        bs=len(seq_lens),
+        q_len=q_len,
+        padded=kw.get("padded", 0),
+        store=kw.get("store", True),
+        bad_loc=kw.get("bad_loc", False),
+    )
+
+
+@pytest.mark.skipif(not PDL, reason="PDL needs sm_90 and Triton >= 3.5")
+@pytest.mark.parametrize("own_block", [0, 1])
+def test_release_at_entry_gives_the_bits_of_pdl_off(own_block):
+    for name in ("decode_window_8_splits", "drafts_16_rows", "garbage_slots_small_blocks"):
+        seq_lens, q_len, kw = OWN_BLOCK_CASES[name]
+        kw = dict(kw)
+        config = dict(kw.pop("config", {}), own_block=own_block, release_entry=1)
+        off = run_case(seq_lens, q_len, config=config, pdl=False, seed=2, **kw)[0]
+        entry = run_case(seq_lens, q_len, config=config, pdl=True, prologue=True, seed=2, **kw)[0]
+        assert torch.equal(off, entry), name
+
+
+def test_mid_sized_decode_steps_lay_out_early_and_release_at_entry():
+    h200 = dict(num_kv_heads=8, group=4, head_dim=128, max_kv_len=1088, num_sms=132)
+    for bs in (5, 8, 12):  # 40 to 96 groups: a quarter to three quarters of the SMs
+        for window in (None, 256):
+            p = plan_store_attend(num_reqs=bs, max_q_len=1, window=window, **h200)
+            assert p["own_block"] == p["release_entry"] == 1, (bs, window)
+    for bs, q_len in ((1, 1), (4, 1), (13, 1), (16, 1), (8, 4)):  # smaller, larger, drafts
+        p = plan_store_attend(num_reqs=bs, max_q_len=q_len, window=256, **h200)
+        assert p["own_block"] == p["release_entry"] == 0, (bs, q_len)

@@ -24,7 +24,12 @@ launches, not bandwidth; this kernel shortens the chain:
 * K and V of a key block are requested together before any arithmetic. In the first block,
   read before the wait, the step's own rows are loaded over the cached ones in place (a
   masked load whose other value is the prologue's tile), so the block is held once, not
-  twice (registers and shared memory: ``benchmarks/store_attend_resources.py``).
+  twice (registers and shared memory: ``benchmarks/store_attend_resources.py``);
+* with ``own_block`` (the plan's, for mid-sized decode steps) the first block holds cached keys
+  only, and two products with zero matrices, taken before the wait, move its K and V into the
+  products' layouts there (exact: their results start the real products' accumulators);
+  the step's own keys then come in a block of their own after the others, read from
+  ``k`` / ``v``.
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots, ``R`` table rows):
@@ -59,13 +64,19 @@ layer does not save its KV) every key is read from the cache.
 
 PDL: the kernel ``gdc_wait``s before its first load and releases its dependents after its
 last store, or with ``release_early`` right after ``gdc_wait`` (every layer after the first
-then starts its prologue while the previous one computes). With ``prologue`` it first reads
+then starts its prologue while the previous one computes), or with the plan's
+``release_entry`` (only with ``prologue``) at entry. With ``prologue`` it first reads
 what no recent kernel wrote — the step's metadata (``cu_q_lens``,
 ``seq_lens``, table rows and starts), the first key block's table entries and the cached K/V
 of its positions before the step's own tokens — and only then waits: the previous layer's
-tail overlaps those loads. Each kernel of a PDL chain waits before it releases the next, so
-when a launch starts, every kernel two or more launches back has completed; the data read
-early must come from those. The step's own K/V (from ``k`` / ``v``, or the cache when
+tail overlaps those loads. Where each kernel of a PDL chain waits before it releases the
+next, every kernel two or more launches back has completed when a launch starts, and the data
+read early must come from those. A launch released at entry may start while earlier ones still
+run, so the data read before the wait must come from before the step's first attention
+launch (which never releases at entry): earlier steps' K/V, the step's metadata. That is
+what the prologue reads; the tickets and the workspace are touched only after the wait, and a
+kernel completes only after its own wait returns, so each wait still covers every launch
+before it. The step's own K/V (from ``k`` / ``v``, or the cache when
 ``loc`` is None) and ``q`` are read after the wait.
 The merge order of the splits is fixed (split 0 first), so the output does not depend on
 which program merges: PDL on and off give identical bits.
@@ -141,9 +152,11 @@ def _online_block(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    qk0=None,
 ):
-    """One key block folded into the running ``(m_i, l_i, acc)`` (base-2 online softmax)."""
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    """One key block folded into the running ``(m_i, l_i, acc)`` (base-2 online softmax).
+    ``qk0``: the products' accumulator (zeros: a product laid out before the wait)."""
+    qk = tl.dot(q, tl.trans(k), acc=qk0, input_precision=PRECISION)
     if SOFTCAP:
         qk = _tanh(qk * qk_scale) * softcap_log2 + tl.where(has_key, 0.0, float("-inf"))[None, :]
     else:
@@ -198,6 +211,7 @@ def _store_attend_kernel(
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_O: tl.constexpr,  # with OWN_BLOCK: positions of the step's own keys' block (>= 16)
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,  # splits merged per trip of the merge loop (divides NUM_SPLITS)
@@ -210,8 +224,12 @@ def _store_attend_kernel(
     PDL: tl.constexpr,
     PROLOGUE: tl.constexpr,  # with PDL: read the step's metadata and the first key block's cached K/V before gdc_wait
     RELEASE_EARLY: tl.constexpr,  # with PDL: release the dependents right after gdc_wait
+    OWN_BLOCK: tl.constexpr,  # the step's own keys in a block of their own; the first block laid out before the wait
+    RELEASE_ENTRY: tl.constexpr,  # with PDL and PROLOGUE: release the dependents at entry
 ):
     pid_g = tl.program_id(0)  # (request, kv head) group
+    if PDL and RELEASE_ENTRY:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_s = tl.program_id(1)  # split
     b = pid_g // num_kv_heads
     hk = pid_g % num_kv_heads
@@ -274,6 +292,16 @@ def _store_attend_kernel(
     old_mask = (has_key & ~is_new)[:, None] & d_valid[None, :]
     k_old = tl.load(K + kv_off, mask=old_mask, other=0.0)
     v_old = tl.load(V + kv_off, mask=old_mask, other=0.0)
+    if OWN_BLOCK:
+        # the first block holds cached keys only: its operands go into the products' layouts
+        # now (products with zeros, exact), and the step's own keys get a block of their own
+        s_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_D], dtype=k_old.dtype), tl.trans(k_old), input_precision=PRECISION)
+        o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
+        offs_o = new0 + tl.arange(0, BLOCK_O)
+        o_range = (offs_o >= s_lo) & (offs_o < s_hi)
+        o_col = offs_o - t_start
+        o_slot = tl.load(t_row + o_col, mask=o_range & (o_col >= 0) & (o_col < table_width), other=0)
+        o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
     if PDL and PROLOGUE:
         tl.extra.cuda.gdc_wait()
     if PDL and RELEASE_EARLY:
@@ -293,68 +321,69 @@ def _store_attend_kernel(
             tl.store(V + dst, vn, mask=st_mask)
 
     q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
-    new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
-    if STORE:  # keys of the step's own tokens: the rows being stored, read from k / v
-        n_row = (q_start + offs_n - new0).to(tl.int64)
-        k = tl.load(KNew + n_row[:, None] * stride_knt + kv_col[None, :], mask=new_mask, other=k_old)
-        v = tl.load(VNew + n_row[:, None] * stride_vnt + kv_col[None, :], mask=new_mask, other=v_old)
-    else:
-        k = tl.load(K + kv_off, mask=new_mask, other=k_old)
-        v = tl.load(V + kv_off, mask=new_mask, other=v_old)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if OWN_BLOCK:  # the first block as laid out before the wait: cached keys only
+        k, v, first_key, acc, qk0 = k_old, v_old, has_key & ~is_new, o_pre, s_pre
+        o_mask = o_key[:, None] & d_valid[None, :]
+        if STORE:  # the rows being stored, read from k / v
+            o_row = (q_start + offs_o - new0).to(tl.int64)
+            k_own = tl.load(KNew + o_row[:, None] * stride_knt + kv_col[None, :], mask=o_mask, other=0.0)
+            v_own = tl.load(VNew + o_row[:, None] * stride_vnt + kv_col[None, :], mask=o_mask, other=0.0)
+        else:
+            o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
+            k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
+            v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
+    else:
+        first_key, acc, qk0 = has_key, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), None
+        new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
+        if STORE:  # keys of the step's own tokens: the rows being stored, read from k / v
+            n_row = (q_start + offs_n - new0).to(tl.int64)
+            k = tl.load(KNew + n_row[:, None] * stride_knt + kv_col[None, :], mask=new_mask, other=k_old)
+            v = tl.load(VNew + n_row[:, None] * stride_vnt + kv_col[None, :], mask=new_mask, other=v_old)
+        else:
+            k = tl.load(K + kv_off, mask=new_mask, other=k_old)
+            v = tl.load(V + kv_off, mask=new_mask, other=v_old)
+    # the key blocks and the own keys' block differ only in their keys: one compact call each
+    # fmt: off
     m_i, l_i, acc = _online_block(
-        q,
-        k,
-        v,
-        has_key,
-        offs_n,
-        in_range,
-        pos,
-        lo,
-        m_i,
-        l_i,
-        acc,
-        qk_scale,
-        softcap_log2,
-        HAS_WINDOW,
-        SOFTCAP,
-        PRECISION,
+        q, k, v, first_key, offs_n, in_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, HAS_WINDOW, SOFTCAP,
+        PRECISION, qk0
     )
+    # fmt: on
     for start in range(s_lo + BLOCK_N, s_hi, BLOCK_N):
         offs_n, in_range, slot, has_key = _key_block(t_row, start, s_hi, t_start, table_width, num_slots, BLOCK_N)
-        kv_mask = has_key[:, None] & d_valid[None, :]
         kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-        if STORE:
-            # keys of the step's own tokens: the rows being stored, read from k / v
+        if OWN_BLOCK:  # cached keys only: the step's own come in their own block
+            has_key = has_key & (offs_n < new0)
+            kv_mask = has_key[:, None] & d_valid[None, :]
+            k_ptr = K + kv_off
+            v_ptr = V + kv_off
+        elif STORE:
+            kv_mask = has_key[:, None] & d_valid[None, :]
             is_new = offs_n >= new0
             n_row = (q_start + offs_n - new0).to(tl.int64)
             k_ptr = tl.where(is_new[:, None], KNew + n_row[:, None] * stride_knt + kv_col[None, :], K + kv_off)
             v_ptr = tl.where(is_new[:, None], VNew + n_row[:, None] * stride_vnt + kv_col[None, :], V + kv_off)
         else:
+            kv_mask = has_key[:, None] & d_valid[None, :]
             k_ptr = K + kv_off
             v_ptr = V + kv_off
         k = tl.load(k_ptr, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr, mask=kv_mask, other=0.0)
+        # fmt: off
         m_i, l_i, acc = _online_block(
-            q,
-            k,
-            v,
-            has_key,
-            offs_n,
-            in_range,
-            pos,
-            lo,
-            m_i,
-            l_i,
-            acc,
-            qk_scale,
-            softcap_log2,
-            HAS_WINDOW,
-            SOFTCAP,
-            PRECISION,
+            q, k, v, has_key, offs_n, in_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, HAS_WINDOW, SOFTCAP,
+            PRECISION
         )
+        # fmt: on
+    if OWN_BLOCK:
+        # fmt: off
+        m_i, l_i, acc = _online_block(
+            q, k_own, v_own, o_key, offs_o, o_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, HAS_WINDOW,
+            SOFTCAP, PRECISION
+        )
+        # fmt: on
 
     o_ptrs = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -423,7 +452,7 @@ def _store_attend_kernel(
             r_ptrs = Out + r_rows[:, None] * stride_ot + r_head[:, None] * stride_oh + offs_d[None, :]
             tl.store(r_ptrs, out.to(Out.dtype.element_ty), mask=r_valid[:, None] & d_valid[None, :])
             tl.atomic_xchg(Tickets + pid_g, 0, sem="relaxed")  # ready for the next launch
-    if PDL and not RELEASE_EARLY:
+    if PDL and not RELEASE_EARLY and not RELEASE_ENTRY:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -493,6 +522,15 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     wide = 256 if not crowded and (unsplit or 512 <= share <= 1024) else 128
     widest = wide if block_d <= 128 else 64
     block_n = max(16, min(block_n, widest))
+    # Decode steps whose groups cover a quarter to three quarters of the SMs lay their first
+    # key block out for the products before the wait (``own_block``) and release the next
+    # launch at entry, so that layout overlaps the layers before. An H200, 48-layer hybrid
+    # step, both on every layer against neither, two runs each: bs 5 306.9 / 307.2 against
+    # 337.4 / 338.7 us, bs 6 351.9 / 351.8 against 360.5 / 360.6, bs 8 373.5 / 373.0 against
+    # 380.3 / 380.8, bs 12 582.1 / 581.6 against 588.0 / 587.8; slower at bs 4 (288.1 against
+    # 280.0), bs 16 (656.1 / 657.2 against 642.4 / 640.4) and with 4 drafts (bs 8 527.3
+    # against 510.6); either alone slower at bs 1 to 8
+    overlap = max_q_len <= 1 and num_sms <= 4 * groups <= 3 * num_sms
     return tuple(
         dict(
             BLOCK_M=max(16, rows),
@@ -507,6 +545,8 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
             num_stages=2 if crowded or share > 8 * block_n else 1,
             num_splits=splits,
             MERGE_CHUNK=max(1, min(splits, MERGE_ROWS // rows)),
+            own_block=int(overlap),
+            release_entry=int(overlap),
         ).items()
     )
 
@@ -630,6 +670,7 @@ def store_attend(
         need = groups * splits * plan["ROWS"] * (D + 2)
         assert workspace.numel() >= need, f"workspace needs >= {need} fp32 elements, has {workspace.numel()}"
         assert tickets.numel() >= groups, f"tickets needs >= {groups} int32 elements, has {tickets.numel()}"
+    entry = bool(pdl and prologue and plan["release_entry"])  # never the first launch after the metadata
     extra = {"launch_pdl": True} if pdl else {}
     if plan.get("maxnreg"):
         extra["maxnreg"] = plan["maxnreg"]
@@ -670,6 +711,7 @@ def store_attend(
         BLOCK_M=plan["BLOCK_M"],
         ROWS=plan["ROWS"],
         BLOCK_T=max(1, triton.next_power_of_2(max(1, max_q_len))),
+        BLOCK_O=max(16, triton.next_power_of_2(max(1, max_q_len))),
         BLOCK_N=plan["BLOCK_N"],
         NUM_SPLITS=splits,
         MERGE_CHUNK=plan["MERGE_CHUNK"],
@@ -681,7 +723,9 @@ def store_attend(
         HAS_SINKS=sinks is not None,
         PDL=pdl,
         PROLOGUE=pdl and prologue,
-        RELEASE_EARLY=pdl and release_early,
+        RELEASE_EARLY=pdl and release_early and not entry,
+        OWN_BLOCK=bool(plan["own_block"]),
+        RELEASE_ENTRY=entry,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
         **extra,
