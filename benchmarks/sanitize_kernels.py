@@ -2,13 +2,16 @@
 
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
 ``--tool racecheck``): the store (Triton and C++), the step-metadata launch, the one-launch
-small decode (store + split attention + atomic-ticket merge), and paged attention for extend
+small decode (store + split attention + atomic-ticket merge; once more with the first key
+block laid out before the wait and the release at entry, as mid-sized decode steps run it),
+and paged attention for extend
 and, with the one-launch path off, for decode and verify storing the step in its own launch
 (split KV + combine; its PDL prologue and early release on), on SWA and full layers, eager
 and in a captured graph.
 Small on purpose: the sanitizer slows kernels by orders of magnitude.
 """
 
+import functools
 import sys
 
 import torch
@@ -57,8 +60,14 @@ def main() -> int:
     class PagedSteps(CudaBackend):  # decode and verify through paged_attention, storing the step
         one_launch_small_steps = False
 
+    class EarlyLayout(CudaBackend):  # the plan keys of mid-sized decode steps, at this small size
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._store_attend = functools.partial(self._store_attend, config={"own_block": 1, "release_entry": 1})
+
     world = _steps(CudaBackend)
     _steps(PagedSteps)
+    _steps(EarlyLayout)
     from attnplug_cuda.cpp_ext import cpp_ext_status, kv_store
 
     ok, reason = cpp_ext_status()
