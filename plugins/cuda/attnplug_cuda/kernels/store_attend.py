@@ -297,6 +297,8 @@ def _store_attend_kernel(
         # now (products with zeros, exact), and the step's own keys get a block of their own
         s_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_D], dtype=k_old.dtype), tl.trans(k_old), input_precision=PRECISION)
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
+        # (not ``_key_block``: its table read is not bounded below by the split, and the kernel
+        # compiled through it took 4 more registers on the bs 8 SWA plan, offline for sm_90)
         offs_o = new0 + tl.arange(0, BLOCK_O)
         o_range = (offs_o >= s_lo) & (offs_o < s_hi)
         o_col = offs_o - t_start
@@ -356,17 +358,14 @@ def _store_attend_kernel(
         kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
         if OWN_BLOCK:  # cached keys only: the step's own come in their own block
             has_key = has_key & (offs_n < new0)
-            kv_mask = has_key[:, None] & d_valid[None, :]
-            k_ptr = K + kv_off
-            v_ptr = V + kv_off
-        elif STORE:
-            kv_mask = has_key[:, None] & d_valid[None, :]
+        kv_mask = has_key[:, None] & d_valid[None, :]
+        if STORE and not OWN_BLOCK:
+            # keys of the step's own tokens: the rows being stored, read from k / v
             is_new = offs_n >= new0
             n_row = (q_start + offs_n - new0).to(tl.int64)
             k_ptr = tl.where(is_new[:, None], KNew + n_row[:, None] * stride_knt + kv_col[None, :], K + kv_off)
             v_ptr = tl.where(is_new[:, None], VNew + n_row[:, None] * stride_vnt + kv_col[None, :], V + kv_off)
         else:
-            kv_mask = has_key[:, None] & d_valid[None, :]
             k_ptr = K + kv_off
             v_ptr = V + kv_off
         k = tl.load(k_ptr, mask=kv_mask, other=0.0)
