@@ -3,7 +3,8 @@
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
 ``--tool racecheck``): the store (Triton and C++), the step-metadata launch, the one-launch
 small decode (store + split attention + atomic-ticket merge; once more with the first key
-block laid out before the wait and the release at entry, as mid-sized decode steps run it),
+block laid out before the wait and the release at entry, as mid-sized decode steps run it, and
+once in two splits of 4-warp programs with 128-key blocks, as decode steps' paired plans run it),
 and paged attention for extend
 and, with the one-launch path off, for decode and verify storing the step in its own launch
 (split KV + combine; its PDL prologue and early release on), on SWA and full layers, eager
@@ -65,9 +66,16 @@ def main() -> int:
             super().__init__(*args, **kwargs)
             self._store_attend = functools.partial(self._store_attend, config={"own_block": 1, "release_entry": 1})
 
+    class PairedLayout(CudaBackend):  # decode steps' paired plans: two splits of 4-warp, 128-key programs
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            config = {"num_splits": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
+            self._store_attend = functools.partial(self._store_attend, config=config)
+
     world = _steps(CudaBackend)
     _steps(PagedSteps)
     _steps(EarlyLayout)
+    _steps(PairedLayout)
     from attnplug_cuda.cpp_ext import cpp_ext_status, kv_store
 
     ok, reason = cpp_ext_status()

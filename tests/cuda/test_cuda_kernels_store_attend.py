@@ -27,6 +27,7 @@ from attnplug_cuda.kernels.store_attend import (  # noqa: E402
     num_sms,
     plan_store_attend,
     store_attend,
+    store_attend_workspace_numel,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,18 +132,14 @@ def test_plan_and_eligibility():
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
     )
     assert p["num_splits"] == 16 and p["BLOCK_N"] == 64 and p["num_stages"] == 1  # one block a program
+    # 4 drafts at bs 8: 544 keys a split, 256-key blocks
     p = plan_store_attend(
-        num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
+        num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["num_splits"] == 2 and p["BLOCK_N"] == 256 and p["num_stages"] == 1  # 544 keys: 256-key blocks
-    assert p["num_warps"] == 8
+    assert p["num_splits"] == 2 and p["BLOCK_N"] == 256 and p["num_stages"] == 1 and p["num_warps"] == 8
+    # a window of 256 at bs 5 (40 groups, a quarter of the SMs at least): one 256-key block, unsplit
     p = plan_store_attend(
-        num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=8192, window=None, num_sms=132
-    )
-    assert p["num_splits"] == 2 and p["BLOCK_N"] == 128 and p["num_stages"] == 2  # 32 blocks: pipelined
-    # a window of 256 at bs 8 (64 groups, a quarter of the SMs at least): one 256-key block, unsplit
-    p = plan_store_attend(
-        num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=256, num_sms=132
+        num_reqs=5, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=256, num_sms=132
     )
     assert p["num_splits"] == 1 and p["BLOCK_N"] == 256 and p["num_warps"] == 8
     # ... but split at bs 4 (32 groups), and for 4 drafts (259 keys: more than one block)
@@ -162,8 +159,8 @@ def test_plan_and_eligibility():
     for q_len, window in ((1, None), (1, 256), (4, 256)):
         p = plan_store_attend(num_reqs=32, max_q_len=q_len, window=window, **h200)
         assert (p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]) == (1, 128, 4, 2)
-    p = plan_store_attend(num_reqs=16, max_q_len=1, window=256, **h200)  # bs 16: 128 groups, one 256-key block
-    assert (p["num_splits"], p["BLOCK_N"], p["num_warps"]) == (1, 256, 8)
+    p = plan_store_attend(num_reqs=16, max_q_len=4, window=256, **h200)  # 4 drafts at bs 16: one 259-key span
+    assert (p["num_splits"], p["BLOCK_N"], p["num_warps"]) == (1, 128, 8)
     # 16 rows split as far as decode does; the merge takes MERGE_ROWS (split, row) pairs a trip
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
@@ -176,6 +173,50 @@ def test_plan_and_eligibility():
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=256, num_sms=132
     )
     assert p["num_splits"] == 8 and p["BLOCK_N"] == 64 and p["num_stages"] == 1
+
+
+def test_decode_plans_pair_programs_on_each_sm():
+    """Decode steps split on into 4-warp programs of at most 128-key blocks, two an SM: full
+    layers while the grid stays within two programs an SM and a split keeps >= 64 keys, a
+    256-key window in two splits once the groups cover a third of the SMs."""
+    h200 = dict(num_kv_heads=8, group=4, head_dim=128, num_sms=132)
+
+    def plan(bs, window, max_kv_len=1025, q_len=1):
+        p = plan_store_attend(num_reqs=bs, max_q_len=q_len, max_kv_len=max_kv_len, window=window, **h200)
+        return p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]
+
+    # full layers: (splits, block, warps, stages) at 1,025 keys
+    assert plan(1, None) == (16, 64, 4, 1)  # 32 splits would hold 32 keys each
+    assert plan(2, None) == (16, 64, 4, 1)
+    assert plan(4, None) == (8, 128, 4, 1)
+    assert plan(8, None) == (4, 128, 4, 1)
+    assert plan(12, None) == (2, 128, 4, 1)
+    assert plan(16, None) == (2, 128, 4, 1)
+    assert plan(17, None) == (1, 128, 4, 2)  # more groups than SMs: unsplit, crowded
+    for bs in (1, 2, 4, 5, 8, 12, 16):  # never more than two programs an SM
+        splits = plan(bs, None)[0]
+        assert bs * 8 * splits <= 2 * 132
+    # a long context keeps two stages where a split holds more than eight blocks
+    assert plan(8, None, max_kv_len=8192) == (4, 128, 4, 2)
+    assert plan(1, None, max_kv_len=4097) == (32, 128, 4, 1)
+    # SWA layers, W 256: split as before up to bs 4, unsplit at bs 5, two 128-key splits from bs 6
+    assert plan(1, 256) == (8, 32, 4, 1)
+    assert plan(4, 256) == (4, 64, 4, 1)
+    assert plan(5, 256) == (1, 256, 8, 1)
+    for bs in (6, 8, 12, 16):
+        assert plan(bs, 256) == (2, 128, 4, 1)
+    assert plan(17, 256) == (1, 128, 4, 2)
+    # 4-draft steps keep one program an SM
+    assert plan(8, None, q_len=4) == (2, 256, 8, 1)
+    assert plan(4, None, q_len=4) == (4, 128, 8, 1)
+    assert plan(8, 256, q_len=4) == (2, 128, 8, 1)
+    # every paired plan fits the workspace the backend allocates
+    for bs in range(1, 34):
+        for window in (None, 256):
+            p = plan_store_attend(num_reqs=bs, max_q_len=1, max_kv_len=1025, window=window, **h200)
+            if p["num_splits"] > 1:
+                need = bs * 8 * p["num_splits"] * p["ROWS"] * (128 + 2)
+                assert need <= store_attend_workspace_numel(128, 132)
 
 
 #: (seq_lens, q_len, run_case arguments): the step's own keys in their own block (``own_block``),

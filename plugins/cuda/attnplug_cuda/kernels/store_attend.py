@@ -11,16 +11,15 @@ launches, not bandwidth; this kernel shortens the chain:
   rows it would otherwise read back from the cache right after the store), so no program
   waits for another;
 * the KV range of a request is cut into ``NUM_SPLITS`` chunks (their count sized from host
-  bounds so the grid fills the GPU even at batch 1, their length from the request's real
-  range, in whole 16-key steps: flash-decoding); each program writes a partial
-  ``(m, l, acc / l)`` (the normalised part in the output's dtype: half the bytes the merge
-  reads for 16-bit outputs), and the LAST program of the group to finish (an atomic ticket
-  per group) merges the partials and writes the output: no second launch. The merge folds the
-  splits in order, ``MERGE_ROWS`` (split, row) pairs a trip, each thread over its own (row,
-  head-dim) elements, so a trip's loads are in flight together and no thread waits for
-  another. The ticket counters
-  return to zero in the same launch, so the kernel can be replayed from a graph any number
-  of times;
+  bounds so the grid fills the GPU even at batch 1, decode steps up to two 4-warp programs
+  an SM; their length from the request's real range, in whole 16-key steps: flash-decoding);
+  each program writes a partial ``(m, l, acc / l)`` (the normalised part in the output's
+  dtype: half the bytes the merge reads for 16-bit outputs), and the LAST program of the
+  group to finish (an atomic ticket per group) merges the partials and writes the output: no
+  second launch. The merge folds the splits in order, ``MERGE_ROWS`` (split, row) pairs a
+  trip, each thread over its own (row, head-dim) elements, so a trip's loads are in flight
+  together and no thread waits for another. The ticket counters return to zero in the same
+  launch, so the kernel can be replayed from a graph any number of times;
 * K and V of a key block are requested together before any arithmetic. In the first block,
   read before the wait, the step's own rows are loaded over the cached ones in place (a
   masked load whose other value is the prologue's tile), so the block is held once, not
@@ -107,6 +106,11 @@ MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 32
 #: split until the grid has about this many programs per SM
 PROGRAMS_PER_SM = 1
+#: decode steps over a span not bounded by a window (full layers) split until the grid has
+#: about this many 4-warp programs per SM, two sharing each SM (``_plan``)
+PAIRED_PROGRAMS_PER_SM = 2
+#: a split of those steps covers at least this many keys
+PAIRED_MIN_KEYS_PER_SPLIT = 64
 #: most (split, row) pairs the merge holds at once (each thread keeps its share of that many
 #: partial rows in registers; more splits are merged in several trips)
 MERGE_ROWS = 64
@@ -478,17 +482,18 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     groups = max(1, num_reqs * num_kv_heads)
     # Measured on an H200 (48-layer hybrid step, bf16, D=128, 8 kv heads, W=256, 1024 keys):
     # the best split count keeps the grid within one program per SM and a split at >= 32 keys
-    # (bs 1: 8 splits of 32 keys on SWA layers, 16 of 64 on full layers; bs 8: 2 splits), and
-    # 4-draft steps (16 rows) split as far as decode does (bs 1: 16 splits on full layers, 8 on
-    # SWA layers; the merge takes MERGE_ROWS (split, row) pairs a trip).
+    # (bs 1: 8 splits of 32 keys on SWA layers, 16 of 64 on full layers), and 4-draft steps
+    # (16 rows) split as far as decode does (bs 1: 16 splits on full layers, 8 on SWA layers;
+    # the merge takes MERGE_ROWS (split, row) pairs a trip). Decode steps then split further
+    # into two programs an SM (``paired``, below).
     splits = 1
     # A window-bounded span of at most one 256-key block runs unsplit once the groups alone
     # cover a quarter of the SMs: its grid then leaves room beside it for the next layer's
     # programs, whose prologue overlaps this layer (an H200, 48-layer step, bs 8 decode, W 256:
-    # SWA layers 5.39 against 6.33 us a layer with two 128-key splits, the whole step 378.6
-    # against 410.4 us with the full layers' 256-key blocks below)
-    unsplit = window is not None and span == max(1, max_q_len) + window - 1 and span <= 256
-    unsplit = unsplit and 4 * groups >= num_sms
+    # SWA layers 5.39 against 6.33 us a layer with two 128-key 8-warp splits, the whole step
+    # 378.6 against 410.4 us with the full layers' 256-key blocks below)
+    windowed = window is not None and span == max(1, max_q_len) + window - 1
+    unsplit = windowed and span <= 256 and 4 * groups >= num_sms
     while (
         not unsplit
         and splits * 2 <= MAX_SPLITS
@@ -497,6 +502,32 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
         and splits * 2 * rows <= MERGE_READS
     ):
         splits *= 2
+    alone = splits
+    # Decode steps split on, into 4-warp programs of at most 128-key blocks, two an SM
+    # (``paired``): while one program waits on its table and K/V round trips, the other's loads
+    # are in flight. Full layers split while the grid stays within two programs an SM and a
+    # split keeps >= 64 keys; a window of at most 256 keys takes two 128-key splits once the
+    # groups cover a third of the SMs (and no more than all of them). An H200, the 48-layer
+    # hybrid step, decode, µs a step (``benchmarks/step_paths.py``, the one-program-an-SM plan
+    # first): bs 2 221.8 -> 212.3, bs 4 279.7 -> 261.7, bs 5 305.4 -> 289.5, bs 6 350.7 ->
+    # 317.7, bs 8 370.0 -> 336.8, bs 12 579.3 -> 497.4, bs 16 638.5 -> 578.2; at 4,096 keys
+    # bs 1 274.0 -> 265.6, bs 8 857.8 -> 646.6. Measured and not taken: SWA layers paired at
+    # bs 5 (40 groups), 308.0 against 296.3 unsplit; 32 splits of 32 keys on full layers at
+    # bs 1, 206.9 against 195.8 (hence 64 keys a split); 4-draft steps paired, faster at bs 8
+    # (494.8 against 509.6), slower at bs 4 (339.4 against 317.7), so they keep the plan
+    decode = max_q_len <= 1
+    if decode and unsplit and num_sms <= 3 * groups and groups <= PROGRAMS_PER_SM * num_sms:
+        splits = 2
+    while (
+        decode
+        and not windowed
+        and splits * 2 <= MAX_SPLITS
+        and groups * splits * 2 <= PAIRED_PROGRAMS_PER_SM * PROGRAMS_PER_SM * num_sms
+        and span >= splits * 2 * PAIRED_MIN_KEYS_PER_SPLIT
+        and splits * 2 * rows <= MERGE_READS
+    ):
+        splits *= 2
+    paired = splits > alone
     # one key block covers a split's keys where it can (each loop trip is a dependent chain).
     # A span set by the window is the real range: the block covers a split's share as the kernel
     # cuts it (whole 16-key steps: 4-draft steps' SWA shares of 33 keys take one 64-key block).
@@ -509,7 +540,7 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     # keys, 16.5 against 18.2 us a layer with 128-key blocks, the same run as above); wider
     # shares keep 128-key blocks, pipelined
     share = triton.cdiv(span, splits)
-    if window is not None and span == max(1, max_q_len) + window - 1:
+    if windowed:
         block_n = triton.next_power_of_2(triton.cdiv(share, 16) * 16)
     else:
         block_n = triton.next_power_of_2(share + 1) // 2
@@ -518,7 +549,7 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     # (256 groups on 132 SMs): 938.9 us so on every layer against 1266.8 without this rule
     # (256-key 8-warp blocks on SWA layers, 8 warps on full layers)
     crowded = groups > PROGRAMS_PER_SM * num_sms
-    wide = 256 if not crowded and (unsplit or 512 <= share <= 1024) else 128
+    wide = 256 if not (crowded or paired) and (unsplit or 512 <= share <= 1024) else 128
     widest = wide if block_d <= 128 else 64
     block_n = max(16, min(block_n, widest))
     # Decode steps whose groups cover a quarter to three quarters of the SMs lay their first
@@ -535,7 +566,7 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
             BLOCK_M=max(16, rows),
             ROWS=rows,
             BLOCK_N=block_n,
-            num_warps=8 if block_n * block_d >= 128 * 128 and not crowded else 4,
+            num_warps=8 if block_n * block_d >= 128 * 128 and not (crowded or paired) else 4,
             # software pipelining only where a split's share (by the host bound) holds more
             # than eight key blocks (or the programs are crowded). An H200, 48-layer step: with
             # one block per program (bs 1; bs 8 SWA layers) one stage ran 1.16x (bs 1) and
@@ -567,10 +598,11 @@ def plan_store_attend(
 
 
 def max_split_programs(num_sms: int) -> int:
-    """Most programs of a split grid on a GPU with ``num_sms`` SMs: the plan splits only while
-    the grid is below ``PROGRAMS_PER_SM * num_sms`` programs and rounds the split count up to
-    a power of two, so a split grid has fewer than four times that many."""
-    return 4 * max(PROGRAMS_PER_SM * num_sms, MAX_SPLITS)
+    """Most programs of a split grid on a GPU with ``num_sms`` SMs: a plan's split grid stays
+    within ``PAIRED_PROGRAMS_PER_SM * PROGRAMS_PER_SM * num_sms`` programs (the doubling
+    loops' bound; a window's two splits need groups within the SMs), and this leaves twice
+    that much room, at least ``4 * MAX_SPLITS``, for plans a ``config`` overrides."""
+    return 2 * max(PAIRED_PROGRAMS_PER_SM * PROGRAMS_PER_SM * num_sms, 2 * MAX_SPLITS)
 
 
 def store_attend_workspace_numel(head_dim: int, num_sms: int) -> int:
