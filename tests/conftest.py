@@ -10,3 +10,9 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker a CPU, at most 4 (each worker holds its
+    own interpreter, torch and Triton)."""
+    return max(1, min(4, os.cpu_count() or 1))

@@ -40,17 +40,22 @@ _ENTRY_POINT = "attnplug_conformance"
 
 
 def pytest_plugin_args() -> List[str]:
-    """``-p`` arguments that load the suite's pytest plugin exactly once: by its entry-point
-    name when pytest autoloads installed plugins (``-p attnplug_conformance``; naming the
-    module as well would register it twice), else by module."""
+    """Arguments of an in-process suite run: ``-p`` loading the suite's pytest plugin exactly
+    once (by its entry-point name when pytest autoloads installed plugins, ``-p
+    attnplug_conformance``: naming the module as well would register it twice; else by
+    module), and the run kept in this process, where the results' collector sees every test:
+    the ``addopts`` of whatever pytest configuration lies above the checks are dropped and
+    pytest-xdist is blocked (a project that runs its own tests with ``-n`` would otherwise
+    spread the suite over worker processes)."""
+    in_process = ["-o", "addopts=", "-p", "no:xdist"]
     autoload = not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
     try:
         eps = importlib.metadata.entry_points(group="pytest11", name=_ENTRY_POINT)
     except Exception:
         eps = ()
     if autoload and any(ep.value == "attnplug_conformance.plugin" for ep in eps):
-        return ["-p", _ENTRY_POINT]
-    return ["-p", "attnplug_conformance.plugin"]
+        return [*in_process, "-p", _ENTRY_POINT]
+    return [*in_process, "-p", "attnplug_conformance.plugin"]
 
 
 # ---------------------------------------------------------------------------- collecting results

@@ -132,11 +132,11 @@ def test_plan_and_eligibility():
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
     )
     assert p["num_splits"] == 16 and p["BLOCK_N"] == 64 and p["num_stages"] == 1  # one block a program
-    # 4 drafts at bs 8: 544 keys a split, 256-key blocks
+    # 4 drafts at bs 4: 272 keys a split, 128-key blocks (8 warps: one program an SM)
     p = plan_store_attend(
-        num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
+        num_reqs=4, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["num_splits"] == 2 and p["BLOCK_N"] == 256 and p["num_stages"] == 1 and p["num_warps"] == 8
+    assert p["num_splits"] == 4 and p["BLOCK_N"] == 128 and p["num_stages"] == 1 and p["num_warps"] == 8
     # a window of 256 at bs 5 (40 groups, a quarter of the SMs at least): one 256-key block, unsplit
     p = plan_store_attend(
         num_reqs=5, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=256, num_sms=132
@@ -159,8 +159,8 @@ def test_plan_and_eligibility():
     for q_len, window in ((1, None), (1, 256), (4, 256)):
         p = plan_store_attend(num_reqs=32, max_q_len=q_len, window=window, **h200)
         assert (p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]) == (1, 128, 4, 2)
-    p = plan_store_attend(num_reqs=16, max_q_len=4, window=256, **h200)  # 4 drafts at bs 16: one 259-key span
-    assert (p["num_splits"], p["BLOCK_N"], p["num_warps"]) == (1, 128, 8)
+    p = plan_store_attend(num_reqs=17, max_q_len=4, window=256, **h200)  # 4 drafts at bs 17: crowded, unsplit
+    assert (p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]) == (1, 128, 4, 2)
     # 16 rows split as far as decode does; the merge takes MERGE_ROWS (split, row) pairs a trip
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
@@ -175,10 +175,11 @@ def test_plan_and_eligibility():
     assert p["num_splits"] == 8 and p["BLOCK_N"] == 64 and p["num_stages"] == 1
 
 
-def test_decode_plans_pair_programs_on_each_sm():
+def test_plans_pair_programs_on_each_sm():
     """Decode steps split on into 4-warp programs of at most 128-key blocks, two an SM: full
     layers while the grid stays within two programs an SM and a split keeps >= 64 keys, a
-    256-key window in two splits once the groups cover a third of the SMs."""
+    256-key window in two splits once the groups cover a third of the SMs; steps of several
+    tokens a request pair both kinds of layer once the groups cover a quarter of the SMs."""
     h200 = dict(num_kv_heads=8, group=4, head_dim=128, num_sms=132)
 
     def plan(bs, window, max_kv_len=1025, q_len=1):
@@ -190,8 +191,8 @@ def test_decode_plans_pair_programs_on_each_sm():
     assert plan(2, None) == (16, 64, 4, 1)
     assert plan(4, None) == (8, 128, 4, 1)
     assert plan(8, None) == (4, 128, 4, 1)
-    assert plan(12, None) == (2, 128, 4, 1)
-    assert plan(16, None) == (2, 128, 4, 1)
+    assert plan(12, None) == (2, 128, 4, 2)  # 513 keys a split: more than four blocks, two stages
+    assert plan(16, None) == (2, 128, 4, 2)
     assert plan(17, None) == (1, 128, 4, 2)  # more groups than SMs: unsplit, crowded
     for bs in (1, 2, 4, 5, 8, 12, 16):  # never more than two programs an SM
         splits = plan(bs, None)[0]
@@ -206,17 +207,23 @@ def test_decode_plans_pair_programs_on_each_sm():
     for bs in (6, 8, 12, 16):
         assert plan(bs, 256) == (2, 128, 4, 1)
     assert plan(17, 256) == (1, 128, 4, 2)
-    # 4-draft steps keep one program an SM
-    assert plan(8, None, q_len=4) == (2, 256, 8, 1)
-    assert plan(4, None, q_len=4) == (4, 128, 8, 1)
-    assert plan(8, 256, q_len=4) == (2, 128, 8, 1)
+    # 4-draft steps (16 rows) keep one program an SM up to bs 4 (32 groups), then pair on
+    # both kinds of layer (1,028 keys, a 259-key window)
+    assert plan(4, None, 1028, q_len=4) == (4, 128, 8, 1)
+    assert plan(4, 256, 1028, q_len=4) == (4, 128, 8, 1)
+    for bs, splits in ((5, 4), (6, 4), (8, 4), (12, 2), (16, 2)):
+        assert plan(bs, 256, 1028, q_len=4) == (splits, 128, 4, 1)
+        assert plan(bs, None, 1028, q_len=4) == (splits, 128, 4, 2 if splits == 2 else 1)
+        assert bs * 8 * splits <= 2 * 132
+    assert plan(17, None, 1028, q_len=4) == (1, 128, 4, 2)
     # every paired plan fits the workspace the backend allocates
     for bs in range(1, 34):
         for window in (None, 256):
-            p = plan_store_attend(num_reqs=bs, max_q_len=1, max_kv_len=1025, window=window, **h200)
-            if p["num_splits"] > 1:
-                need = bs * 8 * p["num_splits"] * p["ROWS"] * (128 + 2)
-                assert need <= store_attend_workspace_numel(128, 132)
+            for q_len in (1, 2, 4):
+                p = plan_store_attend(num_reqs=bs, max_q_len=q_len, max_kv_len=1025, window=window, **h200)
+                if p["num_splits"] > 1:
+                    need = bs * 8 * p["num_splits"] * p["ROWS"] * (128 + 2)
+                    assert need <= store_attend_workspace_numel(128, 132)
 
 
 #: (seq_lens, q_len, run_case arguments): the step's own keys in their own block (``own_block``),

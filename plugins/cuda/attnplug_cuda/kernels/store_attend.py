@@ -11,8 +11,8 @@ launches, not bandwidth; this kernel shortens the chain:
   rows it would otherwise read back from the cache right after the store), so no program
   waits for another;
 * the KV range of a request is cut into ``NUM_SPLITS`` chunks (their count sized from host
-  bounds so the grid fills the GPU even at batch 1, decode steps up to two 4-warp programs
-  an SM; their length from the request's real range, in whole 16-key steps: flash-decoding);
+  bounds so the grid fills the GPU even at batch 1, up to two 4-warp programs an SM
+  (``_plan``); their length from the request's real range, in whole 16-key steps: flash-decoding);
   each program writes a partial ``(m, l, acc / l)`` (the normalised part in the output's
   dtype: half the bytes the merge reads for 16-bit outputs), and the LAST program of the
   group to finish (an atomic ticket per group) merges the partials and writes the output: no
@@ -106,8 +106,9 @@ MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 32
 #: split until the grid has about this many programs per SM
 PROGRAMS_PER_SM = 1
-#: decode steps over a span not bounded by a window (full layers) split until the grid has
-#: about this many 4-warp programs per SM, two sharing each SM (``_plan``)
+#: paired plans (decode steps' full layers; steps of several tokens a request once their
+#: groups cover a quarter of the SMs) split until the grid has about this many 4-warp
+#: programs per SM, two sharing each SM (``_plan``)
 PAIRED_PROGRAMS_PER_SM = 2
 #: a split of those steps covers at least this many keys
 PAIRED_MIN_KEYS_PER_SPLIT = 64
@@ -513,14 +514,19 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     # 317.7, bs 8 370.0 -> 336.8, bs 12 579.3 -> 497.4, bs 16 638.5 -> 578.2; at 4,096 keys
     # bs 1 274.0 -> 265.6, bs 8 857.8 -> 646.6. Measured and not taken: SWA layers paired at
     # bs 5 (40 groups), 308.0 against 296.3 unsplit; 32 splits of 32 keys on full layers at
-    # bs 1, 206.9 against 195.8 (hence 64 keys a split); 4-draft steps paired, faster at bs 8
-    # (494.8 against 509.6), slower at bs 4 (339.4 against 317.7), so they keep the plan
+    # bs 1, 206.9 against 195.8 (hence 64 keys a split)
     decode = max_q_len <= 1
     if decode and unsplit and num_sms <= 3 * groups and groups <= PROGRAMS_PER_SM * num_sms:
         splits = 2
+    # Steps of several tokens a request pair their programs the same way, windowed layers too,
+    # once the groups cover a quarter of the SMs. An H200, the 48-layer hybrid step, 4 drafts,
+    # µs a step (``benchmarks/step_paths.py``, one program an SM first; bs 12 and 16 with one
+    # stage): bs 5 453.7 -> 365.1, bs 6 478.9 -> 380.5, bs 8 507.3 -> 431.9, bs 12 743.8 ->
+    # 653.6, bs 16 792.2 -> 706.5; at 4,096 keys bs 8 1003.0 -> 721.9. Measured and not taken
+    # at bs 4 (32 groups): full layers paired, 321.8 against 313.9; SWA layers on 4 warps, 341.1
+    several = not decode and num_sms <= 4 * groups
     while (
-        decode
-        and not windowed
+        ((decode and not windowed) or several)
         and splits * 2 <= MAX_SPLITS
         and groups * splits * 2 <= PAIRED_PROGRAMS_PER_SM * PROGRAMS_PER_SM * num_sms
         and span >= splits * 2 * PAIRED_MIN_KEYS_PER_SPLIT
@@ -568,11 +574,15 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
             BLOCK_N=block_n,
             num_warps=8 if block_n * block_d >= 128 * 128 and not (crowded or paired) else 4,
             # software pipelining only where a split's share (by the host bound) holds more
-            # than eight key blocks (or the programs are crowded). An H200, 48-layer step: with
-            # one block per program (bs 1; bs 8 SWA layers) one stage ran 1.16x (bs 1) and
-            # 1.07x (bs 8) faster than two; with four or five (bs 8 full layers, 1,025 keys)
-            # one stage ran the 48 launches in 411.5 against 427.2 us with two
-            num_stages=2 if crowded or share > 8 * block_n else 1,
+            # than eight key blocks, more than four for paired programs (or the programs are
+            # crowded). An H200, 48-layer step: with one block per program (bs 1; bs 8 SWA
+            # layers) one stage ran 1.16x (bs 1) and 1.07x (bs 8) faster than two; with four or
+            # five (bs 8 full layers, 1,025 keys, one program an SM) one stage ran the 48
+            # launches in 411.5 against 427.2 us with two. Paired, two stages on full layers
+            # (µs a step): shares of 514 keys in 128-key blocks, decode bs 12 496.4 -> 488.9,
+            # bs 16 574.6 -> 561.6, 4 drafts bs 12 652.4 -> 631.2, bs 16 707.3 -> 691.3; shares
+            # of 257, decode bs 8 335.7 -> 361.0, 4 drafts bs 8 430.1 -> 436.1 (so one stage)
+            num_stages=2 if crowded or share > (4 if paired else 8) * block_n else 1,
             num_splits=splits,
             MERGE_CHUNK=max(1, min(splits, MERGE_ROWS // rows)),
             own_block=int(overlap),
