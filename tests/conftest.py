@@ -11,6 +11,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests read printed tables as a pipe prints them. An xdist worker starts with COLUMNS=80 and
+# LINES=24 in its environment, which would squeeze those tables (fixtures of any scope run later).
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): one worker a CPU, at most 4 (each worker holds its
