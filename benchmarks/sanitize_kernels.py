@@ -66,7 +66,7 @@ def main() -> int:
             super().__init__(*args, **kwargs)
             self._store_attend = functools.partial(self._store_attend, config={"own_block": 1, "release_entry": 1})
 
-    class PairedLayout(CudaBackend):  # the paired plans (decode, verify): two splits of 4-warp, 128-key programs
+    class PairedLayout(CudaBackend):  # paired plans (decode and draft steps): two splits of 4-warp, 128-key programs
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             config = {"num_splits": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
