@@ -272,12 +272,14 @@ def test_release_at_entry_gives_the_bits_of_pdl_off(own_block):
         assert torch.equal(off, entry), name
 
 
-def test_mid_sized_decode_steps_lay_out_early_and_release_at_entry():
+def test_decode_steps_fold_their_own_key_and_release_at_entry_from_two_requests():
     h200 = dict(num_kv_heads=8, group=4, head_dim=128, max_kv_len=1088, num_sms=132)
-    for bs in (5, 8, 12):  # 40 to 96 groups: a quarter to three quarters of the SMs
-        for window in (None, 256):
+    for window in (None, 256):
+        p = plan_store_attend(num_reqs=1, max_q_len=1, window=window, **h200)  # 8 groups
+        assert (p["own_block"], p["release_entry"]) == (1, 0), window
+        for bs in (2, 5, 8, 12, 16):  # 16 to 128 groups: a sixteenth of the SMs to all of them
             p = plan_store_attend(num_reqs=bs, max_q_len=1, window=window, **h200)
             assert p["own_block"] == p["release_entry"] == 1, (bs, window)
-    for bs, q_len in ((1, 1), (4, 1), (13, 1), (16, 1), (8, 4)):  # smaller, larger, drafts
+    for bs, q_len in ((17, 1), (32, 1), (1, 4), (8, 4)):  # more groups than SMs; drafts
         p = plan_store_attend(num_reqs=bs, max_q_len=q_len, window=256, **h200)
         assert p["own_block"] == p["release_entry"] == 0, (bs, q_len)

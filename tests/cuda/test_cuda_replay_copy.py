@@ -152,12 +152,25 @@ class _FakeCompiled:
 
     def __init__(self):
         self.launches = []
+        self.metadata_calls = 0
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        self.metadata_calls += 1
+        return "launch-metadata"
 
     def run(self, g0, g1, g2, stream, function, packed, launch_meta, enter, exit_, *args):
         self.launches.append(args)
+        self.seen_metadata = launch_meta
+
+
+class _FakeTensor:
+    """What the launcher reads from a tensor argument: its address."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
 
 
 class _FakeJit:
@@ -194,6 +207,38 @@ def test_relaunch_replaces_only_the_per_step_arguments():
         rl("x")
     with pytest.raises(ValueError, match="per_step"):
         Relaunch(_FakeJit(), (1,), ("a",), {}, per_step=2)
+
+
+def test_relaunch_passes_captured_tensors_as_addresses_and_per_step_tensors_as_tensors():
+    """The captured tensors go to the launcher as their addresses (no per-launch ``data_ptr``
+    and driver query), and are held so the addresses stay theirs; per-step tensors stay tensors,
+    so the launcher still checks each new step's."""
+    from attnplug_cuda.kernels.relaunch import Relaunch
+
+    jit = _FakeJit()
+    a, c, x = _FakeTensor(0x1000), _FakeTensor(0x2000), _FakeTensor(0x3000)
+    rl = Relaunch(jit, (3,), (a, "b", 4, c), {"K": 2}, per_step=1)
+    rl._driver = _FakeDriver
+    rl()
+    rl(x)
+    assert jit.compiled.launches[1:] == [(0x1000, "b", 4, 0x2000, 2), (x, "b", 4, 0x2000, 2)]
+    assert rl.args[0] is a and rl.args[3] is c
+
+
+def test_relaunch_asks_for_launch_metadata_only_when_a_launch_hook_is_set():
+    from types import SimpleNamespace
+
+    from attnplug_cuda.kernels.relaunch import Relaunch
+
+    jit = _FakeJit()
+    rl = Relaunch(jit, (1,), (_FakeTensor(0x1000), "b", 4, "c"), {"K": 2})
+    rl._driver = _FakeDriver
+    rl._knobs = SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    rl()
+    assert jit.compiled.metadata_calls == 0 and jit.compiled.seen_metadata is None
+    rl._knobs.runtime.launch_enter_hook = lambda metadata: None
+    rl()
+    assert jit.compiled.metadata_calls == 1 and jit.compiled.seen_metadata == "launch-metadata"
 
 
 def test_the_step_metadata_kernel_never_specialises_on_per_step_arguments():

@@ -14,7 +14,13 @@ have the same types (same tensor dtypes, ints of the same width). Callers build 
 interpreter), it re-runs the normal path.
 
 Host work per call: one current-stream lookup and the compiled launcher (plus one tuple
-concatenation when the per-step arguments are replaced).
+concatenation when the per-step arguments are replaced). The launcher takes a tensor argument
+either as a tensor (then it calls ``data_ptr()`` and asks the driver whether the address is
+device memory, on every launch) or as the address itself: the captured arguments are passed
+as their addresses, resolved once here (their tensors are held, so the memory stays theirs),
+while per-step tensors are passed as tensors and so still checked by the launcher on each
+call. The launch-metadata call is made only when a launch hook is set (it returns nothing
+otherwise).
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ class Relaunch:
         if self._compiled is not None:
             values = dict(zip(jit_fn.arg_names, self.args))
             values.update((k, v) for k, v in kwargs.items() if k in jit_fn.arg_names)
-            self._all = tuple(values[name] for name in jit_fn.arg_names)
-            if any(a is not b for a, b in zip(self._all[:per_step], self.args[:per_step])):
+            ordered = tuple(values[name] for name in jit_fn.arg_names)
+            if any(a is not b for a, b in zip(ordered[:per_step], self.args[:per_step])):
                 raise ValueError("the per-step arguments must be the kernel's first positional arguments")
+            self._all = tuple(_address(a) for a in ordered)
             self._rest = self._all[per_step:]
             from triton import knobs
             from triton.runtime import driver
@@ -72,6 +79,7 @@ class Relaunch:
         stream = active.get_current_stream(active.get_current_device())
         g0, g1, g2 = self.grid
         hooks = self._knobs.runtime
+        enter = hooks.launch_enter_hook
         ck.run(
             g0,
             g1,
@@ -79,8 +87,14 @@ class Relaunch:
             stream,
             ck.function,
             ck.packed_metadata,
-            ck.launch_metadata(self.grid, stream, *all_args),
-            hooks.launch_enter_hook,
+            ck.launch_metadata(self.grid, stream, *all_args) if enter is not None else None,
+            enter,
             hooks.launch_exit_hook,
             *all_args,
         )
+
+
+def _address(arg: Any) -> Any:
+    """A tensor argument as its address (what the launcher reads from it); anything else as is."""
+    data_ptr = getattr(arg, "data_ptr", None)
+    return data_ptr() if callable(data_ptr) else arg

@@ -28,7 +28,10 @@ launches, not bandwidth; this kernel shortens the chain:
   only, and two products with zero matrices, taken before the wait, move its K and V into the
   products' layouts there (exact: their results start the real products' accumulators);
   the step's own keys then come in a block of their own after the others, read from
-  ``k`` / ``v``.
+  ``k`` / ``v``. A decode step's one own key is no block: the split that holds it folds it
+  in as a vector (its logits as row sums of ``q * k`` in float32, ``p * v`` added to the
+  accumulator), with no product tile and no layout change after the wait, and every other
+  split skips it.
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots, ``R`` table rows):
@@ -179,6 +182,25 @@ def _online_block(
 
 
 @triton.jit
+def _online_key(q, k, v, row_valid, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """One key (``k``, ``v``: ``[BLOCK_D]``) folded into every valid row's running ``(m_i, l_i,
+    acc)``: its logits as row sums of ``q * k`` in float32 and ``p * v`` added to ``acc``, with
+    no product tile and no layout change through shared memory."""
+    qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
+    if SOFTCAP:
+        qk = _tanh(qk * qk_scale) * softcap_log2
+    else:
+        qk = qk * qk_scale
+    qk = tl.where(row_valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, qk)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _store_attend_kernel(
     Q,
     KNew,
@@ -304,11 +326,17 @@ def _store_attend_kernel(
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
         # (not ``_key_block``: its table read is not bounded below by the split, and the kernel
         # compiled through it took 4 more registers on the bs 8 SWA plan, offline for sm_90)
-        offs_o = new0 + tl.arange(0, BLOCK_O)
-        o_range = (offs_o >= s_lo) & (offs_o < s_hi)
-        o_col = offs_o - t_start
-        o_slot = tl.load(t_row + o_col, mask=o_range & (o_col >= 0) & (o_col < table_width), other=0)
-        o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
+        if BLOCK_T == 1:  # decode: one own key, folded as a vector by the split that holds it
+            o_here = (new0 >= s_lo) & (new0 < s_hi)
+            o_col1 = new0 - t_start
+            o_slot1 = tl.load(t_row + o_col1, mask=o_here & (o_col1 >= 0) & (o_col1 < table_width), other=0)
+            o_here = o_here & (o_slot1 >= 1) & (o_slot1 < num_slots)
+        else:
+            offs_o = new0 + tl.arange(0, BLOCK_O)
+            o_range = (offs_o >= s_lo) & (offs_o < s_hi)
+            o_col = offs_o - t_start
+            o_slot = tl.load(t_row + o_col, mask=o_range & (o_col >= 0) & (o_col < table_width), other=0)
+            o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
     if PDL and PROLOGUE:
         tl.extra.cuda.gdc_wait()
     if PDL and RELEASE_EARLY:
@@ -332,15 +360,26 @@ def _store_attend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if OWN_BLOCK:  # the first block as laid out before the wait: cached keys only
         k, v, first_key, acc, qk0 = k_old, v_old, has_key & ~is_new, o_pre, s_pre
-        o_mask = o_key[:, None] & d_valid[None, :]
-        if STORE:  # the rows being stored, read from k / v
-            o_row = (q_start + offs_o - new0).to(tl.int64)
-            k_own = tl.load(KNew + o_row[:, None] * stride_knt + kv_col[None, :], mask=o_mask, other=0.0)
-            v_own = tl.load(VNew + o_row[:, None] * stride_vnt + kv_col[None, :], mask=o_mask, other=0.0)
+        if BLOCK_T == 1:  # decode: the own key's row, loaded with q (nothing where no split holds it)
+            o_mask1 = offs_d < tl.where(o_here, HEAD_DIM, 0)  # (not ``d_valid & o_here``: a scalar mask
+            # broadcast that Triton's interpreter turns into integers)
+            if STORE:
+                k_own = tl.load(KNew + q_start.to(tl.int64) * stride_knt + kv_col, mask=o_mask1, other=0.0)
+                v_own = tl.load(VNew + q_start.to(tl.int64) * stride_vnt + kv_col, mask=o_mask1, other=0.0)
+            else:
+                o_off1 = o_slot1.to(tl.int64) * kv_stride + kv_col
+                k_own = tl.load(K + o_off1, mask=o_mask1, other=0.0)
+                v_own = tl.load(V + o_off1, mask=o_mask1, other=0.0)
         else:
-            o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-            k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
-            v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
+            o_mask = o_key[:, None] & d_valid[None, :]
+            if STORE:  # the rows being stored, read from k / v
+                o_row = (q_start + offs_o - new0).to(tl.int64)
+                k_own = tl.load(KNew + o_row[:, None] * stride_knt + kv_col[None, :], mask=o_mask, other=0.0)
+                v_own = tl.load(VNew + o_row[:, None] * stride_vnt + kv_col[None, :], mask=o_mask, other=0.0)
+            else:
+                o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
+                k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
+                v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
     else:
         first_key, acc, qk0 = has_key, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), None
         new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
@@ -382,12 +421,16 @@ def _store_attend_kernel(
         )
         # fmt: on
     if OWN_BLOCK:
-        # fmt: off
-        m_i, l_i, acc = _online_block(
-            q, k_own, v_own, o_key, offs_o, o_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, HAS_WINDOW,
-            SOFTCAP, PRECISION
-        )
-        # fmt: on
+        if BLOCK_T == 1:
+            if o_here:  # one key at the row's own position: inside the window, never masked
+                m_i, l_i, acc = _online_key(q, k_own, v_own, row_valid, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP)
+        else:
+            # fmt: off
+            m_i, l_i, acc = _online_block(
+                q, k_own, v_own, o_key, offs_o, o_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, HAS_WINDOW,
+                SOFTCAP, PRECISION
+            )
+            # fmt: on
 
     o_ptrs = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -558,15 +601,18 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     wide = 256 if not (crowded or paired) and (unsplit or 512 <= share <= 1024) else 128
     widest = wide if block_d <= 128 else 64
     block_n = max(16, min(block_n, widest))
-    # Decode steps whose groups cover a quarter to three quarters of the SMs lay their first
-    # key block out for the products before the wait (``own_block``) and release the next
-    # launch at entry, so that layout overlaps the layers before. An H200, 48-layer hybrid
-    # step, both on every layer against neither, two runs each: bs 5 306.9 / 307.2 against
-    # 337.4 / 338.7 us, bs 6 351.9 / 351.8 against 360.5 / 360.6, bs 8 373.5 / 373.0 against
-    # 380.3 / 380.8, bs 12 582.1 / 581.6 against 588.0 / 587.8; slower at bs 4 (288.1 against
-    # 280.0), bs 16 (656.1 / 657.2 against 642.4 / 640.4) and with 4 drafts (bs 8 527.3
-    # against 510.6); either alone slower at bs 1 to 8
-    overlap = max_q_len <= 1 and num_sms <= 4 * groups <= 3 * num_sms
+    # Decode steps of up to one (request, kv head) group an SM lay their first key block out
+    # for the products before the wait (``own_block``) and fold the step's own key in as a
+    # vector after their cached keys; from a sixteenth of the SMs on (bs 2 here) they also
+    # release the next launch at entry, so that layout overlaps the layers before. An H100
+    # (132 SMs; driver 580.159.04, Triton 3.6), 48-layer hybrid step, the own key as a vector
+    # against the plan before (own_block and release_entry only at bs 5 to 12, the own keys in a
+    # 16-key block), µs a step: bs 1 189.1 against 193.3 (release at entry too: 191.6), bs 2
+    # 210.7 against 215.8, bs 4 250.1 against 271.7, bs 5 287.5 against 302.3, bs 8 343.3 /
+    # 345.0 against 362.9 / 365.4, bs 12 507.8 against 534.8, bs 16 616.2 against 658.6
+    # (``benchmarks/step_paths.py``, both trees in one run)
+    own = decode and groups <= PROGRAMS_PER_SM * num_sms
+    entry = own and 16 * groups >= num_sms
     return tuple(
         dict(
             BLOCK_M=max(16, rows),
@@ -585,8 +631,8 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
             num_stages=2 if crowded or share > (4 if paired else 8) * block_n else 1,
             num_splits=splits,
             MERGE_CHUNK=max(1, min(splits, MERGE_ROWS // rows)),
-            own_block=int(overlap),
-            release_entry=int(overlap),
+            own_block=int(own),
+            release_entry=int(entry),
         ).items()
     )
 
