@@ -2,28 +2,24 @@
 # OUT=DIR bash benchmarks/results/2026-12-05-own-key/run2.sh, from the root of a checkout
 # (FlashInfer's wheels in .whl/ for the peer rows): the final plan rule (own key as a vector on
 # decode steps of up to one group an SM, release at entry from two requests) through the GPU
-# tests and compute-sanitizer memcheck; decode steps with the rule's keys switched off against
-# the plan, after the whole hybrid_step benchmark (attnplug bench --only hybrid_step, FlashInfer as the peer).
+# tests and compute-sanitizer memcheck, then the whole hybrid_step benchmark (attnplug bench
+# --only hybrid_step, FlashInfer as the peer).
 set -u
 export PYTHONUNBUFFERED=1 ATTNPLUG_CACHE_DIR=/tmp/attnplug-cache
 out=${OUT:-own-key-out}; mkdir -p "$out"
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
 sum=()
 run() { local n=$1 l=$2; shift 2; local t=$SECONDS; timeout "$l" "$@" >"$out/$n.log" 2>&1; sum+=("$n rc=$? $((SECONDS-t))s"); }
-run gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_kernels_store_attend.py \
+run gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_kernels_store_attend.py \
   tests/cuda/test_cuda_one_launch_steps.py
-run memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
+run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
 # FlashInfer as benchmarks/h200.sh bench installs it; the hybrid_step benchmark with a budget that fits
 python3 -m pip install -q --no-deps --target /tmp/fi .whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl \
   >"$out/flashinfer.log" 2>&1
 export PYTHONPATH=/tmp/fi
-run bench 330 attnplug bench --backend cuda --only hybrid_step --out "$out/bench" --budget-s 310
-run paths_rule 80 python3 benchmarks/step_paths.py --bs 1 2 3 6 16 --path 'plan one' \
-  --path 'none one own_block=0 release_entry=0' --path 'noentry one release_entry=0' \
-  --path 'ownentry one own_block=1 release_entry=1'
+run bench 240 attnplug bench --backend cuda --only hybrid_step --out "$out/bench" --budget-s 220
 tail -2 "$out/gpu_tests.log"
 grep -E "ERROR SUMMARY" "$out/memcheck.log"
-grep -E "^decode +[0-9]+ " "$out/paths_rule.log"
 python3 -m attnplug.bench.report "$out/bench/bench.json" --only hybrid_step
 tail -1 "$out/bench.log"
 printf '%s\n' "${sum[@]}"
