@@ -3,7 +3,7 @@
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
 ``--tool racecheck``): the store (Triton and C++), the step-metadata launch, the one-launch
 small decode (store + split attention + atomic-ticket merge; once more with the first key
-block laid out before the wait and the release at entry, as mid-sized decode steps run it, and
+block laid out before the wait and the release at entry, as decode steps of up to one group an SM run it, and
 once in two splits of 4-warp programs with 128-key blocks, as decode steps' paired plans run it),
 and paged attention for extend
 and, with the one-launch path off, for decode and verify storing the step in its own launch
@@ -61,7 +61,7 @@ def main() -> int:
     class PagedSteps(CudaBackend):  # decode and verify through paged_attention, storing the step
         one_launch_small_steps = False
 
-    class EarlyLayout(CudaBackend):  # the plan keys of mid-sized decode steps, at this small size
+    class EarlyLayout(CudaBackend):  # the plan keys of small decode steps (own key, release at entry)
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._store_attend = functools.partial(self._store_attend, config={"own_block": 1, "release_entry": 1})

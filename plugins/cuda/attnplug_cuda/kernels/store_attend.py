@@ -24,7 +24,7 @@ launches, not bandwidth; this kernel shortens the chain:
   read before the wait, the step's own rows are loaded over the cached ones in place (a
   masked load whose other value is the prologue's tile), so the block is held once, not
   twice (registers and shared memory: ``benchmarks/store_attend_resources.py``);
-* with ``own_block`` (the plan's, for mid-sized decode steps) the first block holds cached keys
+* with ``own_block`` (the plan's, for decode steps of up to one group an SM) the first block holds cached keys
   only, and two products with zero matrices, taken before the wait, move its K and V into the
   products' layouts there (exact: their results start the real products' accumulators);
   the step's own keys then come in a block of their own after the others, read from
