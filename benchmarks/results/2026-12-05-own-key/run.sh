@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # OUT=DIR bash benchmarks/results/2026-12-05-own-key/run.sh, from the root of a checkout with
-# .cmp/store_attend_before.py and .cmp/relaunch_before.py (the files of the commit before):
+# .cmp/store_attend_before.py and .cmp/relaunch_before.py (those files at commit 2381687):
 # GPU tests of the one-launch kernel and the replay launch; decode steps through this tree's
 # store_attend (the own key folded as a vector) against the one before, alternating
 # (benchmarks/step_paths.py, plan and own_block / release_entry overrides); replay preparation
