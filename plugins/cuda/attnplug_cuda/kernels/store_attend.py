@@ -608,7 +608,7 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     # (132 SMs; driver 580.159.04, Triton 3.6), 48-layer hybrid step, the own key as a vector
     # against the plan before (own_block and release_entry only at bs 5 to 12, the own keys in a
     # 16-key block), µs a step: bs 1 189.1 against 193.3 (release at entry too: 191.6), bs 2
-    # 210.7 against 215.8, bs 4 250.1 against 271.7, bs 5 287.5 against 302.3, bs 8 343.3 /
+    # 210.7 against 215.9, bs 4 250.1 against 271.6, bs 5 287.5 against 302.3, bs 8 343.3 /
     # 345.0 against 362.9 / 365.4, bs 12 507.8 against 534.8, bs 16 616.2 against 658.6
     # (``benchmarks/step_paths.py``, both trees in one run)
     own = decode and groups <= PROGRAMS_PER_SM * num_sms
