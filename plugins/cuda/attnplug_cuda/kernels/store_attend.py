@@ -24,9 +24,10 @@ launches, not bandwidth; this kernel shortens the chain:
   read before the wait, the step's own rows are loaded over the cached ones in place (a
   masked load whose other value is the prologue's tile), so the block is held once, not
   twice (registers and shared memory: ``benchmarks/store_attend_resources.py``);
-* with ``own_block`` (the plan's, for decode steps of up to one group an SM) the first block holds cached keys
-  only, and two products with zero matrices, taken before the wait, move its K and V into the
-  products' layouts there (exact: their results start the real products' accumulators);
+* with ``own_block`` (the plan's, for decode steps of up to one group an SM) the first block
+  holds cached keys only, and two products with zero matrices, taken before the wait, move its
+  K and V into the products' layouts there (exact: their results start the real products'
+  accumulators);
   the step's own keys then come in a block of their own after the others, read from
   ``k`` / ``v``. A decode step's one own key is no block: the split that holds it folds it
   in as a vector (its logits as row sums of ``q * k`` in float32, ``p * v`` added to the
