@@ -28,7 +28,7 @@ Each ``--variant`` is ``LABEL KIND SPLITS`` (``KIND``: ``swa``, ``full`` or ``no
 reading no keys at all) with optional ``entry=0/1``, ``warps=N``, ``pdl=0/1``. The script
 times a graph of 48 launches of each variant (CUDA events, median of 5 x 200 replays) and
 prints the period a layer (the graph's time / 48). Then, for each pair of an SWA and a full
-variant named in ``--mix`` (default: the fastest of each kind), the graph of the
+variant named in ``--mix``, and the fastest of each kind, the graph of the
 ``hybrid_step`` pattern (layer ``l`` full when ``l % 4 == 3``, 36 SWA and 12 full) is timed:
 the floor of the whole step's attention layers. Each variant's one launch is first checked
 against a PyTorch computation of the same sums. Needs a CUDA GPU with PDL (sm_90).
@@ -254,6 +254,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     device = torch.device("cuda")
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
+    kinds = {v[0]: v[1] for v in variants}
+    for mix in args.mix or ():
+        if [kinds.get(w) for w in mix.split()] != ["swa", "full"]:
+            ap.error(f"--mix {mix!r}: the label of an swa variant, then of a full one (variants: {kinds})")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows = []
     for bs in args.bs:
@@ -268,10 +272,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"bs={bs} {label:<16} {kind:<4} splits={splits:<2} {opts}: 48 launches {us:7.1f} us, "
                   f"{us / NUM_LAYERS:5.2f} us a layer (check diff {diff:.1e})", flush=True)  # fmt: skip
         by_kind = {k: [v for v in variants if v[1] == k] for k in ("swa", "full")}
-        mixes = [m.split() for m in args.mix] if args.mix else []
-        if not mixes and by_kind["swa"] and by_kind["full"]:
-            best = {k: min(by_kind[k], key=lambda v: period[v[0]])[0] for k in ("swa", "full")}
-            mixes = [[best["swa"], best["full"]]]
+        mixes = [m.split() for m in args.mix or ()]
+        if by_kind["swa"] and by_kind["full"]:
+            best = [min(by_kind[k], key=lambda v: period[v[0]])[0] for k in ("swa", "full")]
+            mixes += [best] if best not in mixes else []
         named = {v[0]: v for v in variants}
         for swa_label, full_label in mixes:
             sv, fv = named[swa_label], named[full_label]
