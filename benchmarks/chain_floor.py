@@ -38,15 +38,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-import torch
-import triton
-import triton.language as tl
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
-NUM_LAYERS, HKV, GROUP, HEAD_DIM = 48, 8, 4, 128
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from layer_timeline import NUM_LAYERS, _replay_us  # noqa: E402
+
+HKV, GROUP, HEAD_DIM = 8, 4, 128
 KEYS = {"swa": 256, "full": 1024, "none": 0}
 DEFAULT_VARIANTS = (
     "empty none 1 noq=1",
@@ -203,21 +208,6 @@ def check(layer: Layer, splits: int, opts: Dict[str, int], device) -> float:
     if diff > 0.02 + 0.01 * ref.abs().max().item() or int(layer.tickets.abs().sum().item()) != 0:
         raise AssertionError(f"chain floor kernel off: max diff {diff:.3e}, tickets {layer.tickets.tolist()}")
     return diff
-
-
-def _replay_us(graph, replays: int = 200, repeats: int = 5) -> float:
-    for _ in range(10):
-        graph.replay()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / replays)
-    return statistics.median(samples)
 
 
 def chain_us(plan: List[Tuple[Layer, int, Dict[str, int]]], device) -> float:
