@@ -28,11 +28,12 @@ launches, not bandwidth; this kernel shortens the chain:
   holds cached keys only, and two products with zero matrices, taken before the wait, move its
   K and V into the products' layouts there (exact: their results start the real products'
   accumulators);
-  the step's own keys then come in a block of their own after the others, read from
-  ``k`` / ``v``. A decode step's one own key is no block: the split that holds it folds it
-  in as a vector (its logits as row sums of ``q * k`` in float32, ``p * v`` added to the
-  accumulator), with no product tile and no layout change after the wait, and every other
-  split skips it.
+  the step's own keys then come after the others, read from ``k`` / ``v``. Up to
+  ``OWN_VECTORS`` a request (a decode step's one, four drafts' four) they are no block: the
+  split that holds a key folds it in as a vector (its logits as row sums of ``q * k`` in
+  float32, ``p * v`` added to the accumulator; causal among the step's tokens), with no
+  product tile and no layout change after the wait, and every other split skips it. More
+  own keys take a block of their own.
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots, ``R`` table rows):
@@ -121,6 +122,9 @@ PAIRED_MIN_KEYS_PER_SPLIT = 64
 MERGE_ROWS = 64
 #: most (split, row) pairs one merge reads: the split count stops there
 MERGE_READS = 256
+#: with ``own_block``, steps of up to this many tokens a request fold their own keys in as
+#: vectors, one key at a time (``_online_key``); longer steps take a block of them
+OWN_VECTORS = 4
 #: most (request, kv head) groups per SM of a step this kernel serves. An H200, the 48-layer
 #: hybrid step (8 kv heads, W 256, 1,024 keys), one launch a layer against the KV store +
 #: paged attention: decode bs 16 641.0 against 776.8 us, bs 32 938.9 against 1053.1 us;
@@ -183,16 +187,16 @@ def _online_block(
 
 
 @triton.jit
-def _online_key(q, k, v, row_valid, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
-    """One key (``k``, ``v``: ``[BLOCK_D]``) folded into every valid row's running ``(m_i, l_i,
-    acc)``: its logits as row sums of ``q * k`` in float32 and ``p * v`` added to ``acc``, with
-    no product tile and no layout change through shared memory."""
+def _online_key(q, k, v, seen, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """One key (``k``, ``v``: ``[BLOCK_D]``) folded into the running ``(m_i, l_i, acc)`` of the
+    rows in ``seen``: its logits as row sums of ``q * k`` in float32 and ``p * v`` added to
+    ``acc``, with no product tile and no layout change through shared memory."""
     qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
     if SOFTCAP:
         qk = _tanh(qk * qk_scale) * softcap_log2
     else:
         qk = qk * qk_scale
-    qk = tl.where(row_valid, qk, float("-inf"))
+    qk = tl.where(seen, qk, float("-inf"))
     m_new = tl.maximum(m_i, qk)
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(qk - m_new)
@@ -239,7 +243,7 @@ def _store_attend_kernel(
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_O: tl.constexpr,  # with OWN_BLOCK: positions of the step's own keys' block (>= 16)
+    BLOCK_O: tl.constexpr,  # with OWN_BLOCK: positions of the step's own keys (below 16: vectors)
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,  # splits merged per trip of the merge loop (divides NUM_SPLITS)
@@ -327,17 +331,11 @@ def _store_attend_kernel(
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
         # (not ``_key_block``: its table read is not bounded below by the split, and the kernel
         # compiled through it took 4 more registers on the bs 8 SWA plan, offline for sm_90)
-        if BLOCK_T == 1:  # decode: one own key, folded as a vector by the split that holds it
-            o_here = (new0 >= s_lo) & (new0 < s_hi)
-            o_col1 = new0 - t_start
-            o_slot1 = tl.load(t_row + o_col1, mask=o_here & (o_col1 >= 0) & (o_col1 < table_width), other=0)
-            o_here = o_here & (o_slot1 >= 1) & (o_slot1 < num_slots)
-        else:
-            offs_o = new0 + tl.arange(0, BLOCK_O)
-            o_range = (offs_o >= s_lo) & (offs_o < s_hi)
-            o_col = offs_o - t_start
-            o_slot = tl.load(t_row + o_col, mask=o_range & (o_col >= 0) & (o_col < table_width), other=0)
-            o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
+        offs_o = new0 + tl.arange(0, BLOCK_O)
+        o_range = (offs_o >= s_lo) & (offs_o < s_hi)
+        o_col = offs_o - t_start
+        o_slot = tl.load(t_row + o_col, mask=o_range & (o_col >= 0) & (o_col < table_width), other=0)
+        o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
     if PDL and PROLOGUE:
         tl.extra.cuda.gdc_wait()
     if PDL and RELEASE_EARLY:
@@ -361,26 +359,16 @@ def _store_attend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if OWN_BLOCK:  # the first block as laid out before the wait: cached keys only
         k, v, first_key, acc, qk0 = k_old, v_old, has_key & ~is_new, o_pre, s_pre
-        if BLOCK_T == 1:  # decode: the own key's row, loaded with q (nothing where no split holds it)
-            o_mask1 = offs_d < tl.where(o_here, HEAD_DIM, 0)  # (not ``d_valid & o_here``: a scalar mask
-            # broadcast that Triton's interpreter turns into integers)
-            if STORE:
-                k_own = tl.load(KNew + q_start.to(tl.int64) * stride_knt + kv_col, mask=o_mask1, other=0.0)
-                v_own = tl.load(VNew + q_start.to(tl.int64) * stride_vnt + kv_col, mask=o_mask1, other=0.0)
-            else:
-                o_off1 = o_slot1.to(tl.int64) * kv_stride + kv_col
-                k_own = tl.load(K + o_off1, mask=o_mask1, other=0.0)
-                v_own = tl.load(V + o_off1, mask=o_mask1, other=0.0)
+        # the own keys' rows, loaded with q (nothing where the split holds none)
+        o_mask = o_key[:, None] & d_valid[None, :]
+        if STORE:  # the rows being stored, read from k / v
+            o_row = (q_start + offs_o - new0).to(tl.int64)
+            k_own = tl.load(KNew + o_row[:, None] * stride_knt + kv_col[None, :], mask=o_mask, other=0.0)
+            v_own = tl.load(VNew + o_row[:, None] * stride_vnt + kv_col[None, :], mask=o_mask, other=0.0)
         else:
-            o_mask = o_key[:, None] & d_valid[None, :]
-            if STORE:  # the rows being stored, read from k / v
-                o_row = (q_start + offs_o - new0).to(tl.int64)
-                k_own = tl.load(KNew + o_row[:, None] * stride_knt + kv_col[None, :], mask=o_mask, other=0.0)
-                v_own = tl.load(VNew + o_row[:, None] * stride_vnt + kv_col[None, :], mask=o_mask, other=0.0)
-            else:
-                o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-                k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
-                v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
+            o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
+            k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
+            v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
     else:
         first_key, acc, qk0 = has_key, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), None
         new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
@@ -422,9 +410,16 @@ def _store_attend_kernel(
         )
         # fmt: on
     if OWN_BLOCK:
-        if BLOCK_T == 1:
-            if o_here:  # one key at the row's own position: inside the window, never masked
-                m_i, l_i, acc = _online_key(q, k_own, v_own, row_valid, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP)
+        if BLOCK_O < 16:  # a few own keys (decode: one), each folded as a vector where the split holds it
+            for t in tl.static_range(BLOCK_O):
+                pick = tl.arange(0, BLOCK_O) == t
+                if tl.sum(tl.where(pick & o_key, 1, 0), 0) > 0:
+                    seen = row_valid & (tok >= t)  # causal among the step's tokens
+                    if HAS_WINDOW:
+                        seen = seen & (new0 + t >= lo)
+                    k_t = tl.sum(tl.where(pick[:, None], k_own.to(tl.float32), 0.0), 0)
+                    v_t = tl.sum(tl.where(pick[:, None], v_own.to(tl.float32), 0.0), 0)
+                    m_i, l_i, acc = _online_key(q, k_t, v_t, seen, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP)
         else:
             # fmt: off
             m_i, l_i, acc = _online_block(
@@ -638,6 +633,13 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     )
 
 
+def _own_width(max_q_len: int) -> int:
+    """``BLOCK_O``: positions of a step's own keys. Up to ``OWN_VECTORS`` a request, one each
+    (folded as vectors); more take a block of at least 16 (the products' smallest tile)."""
+    width = triton.next_power_of_2(max(1, max_q_len))
+    return width if width <= OWN_VECTORS else max(16, width)
+
+
 def plan_store_attend(
     *,
     num_reqs: int,
@@ -799,7 +801,7 @@ def store_attend(
         BLOCK_M=plan["BLOCK_M"],
         ROWS=plan["ROWS"],
         BLOCK_T=max(1, triton.next_power_of_2(max(1, max_q_len))),
-        BLOCK_O=max(16, triton.next_power_of_2(max(1, max_q_len))),
+        BLOCK_O=_own_width(max_q_len),
         BLOCK_N=plan["BLOCK_N"],
         NUM_SPLITS=splits,
         MERGE_CHUNK=plan["MERGE_CHUNK"],
