@@ -206,6 +206,46 @@ def _online_key(q, k, v, seen, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP: t
 
 
 @triton.jit
+def _sees(row_valid, tok, lo, new0, t: tl.constexpr, BLOCK_T: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The rows that see the step's own key ``t`` (at ``new0 + t``): valid rows of token ``t``
+    on (causal among the step's tokens) whose window reaches it (a decode step's one row
+    always sees its own key)."""
+    seen = row_valid & (tok >= t) if t > 0 else row_valid
+    if HAS_WINDOW and BLOCK_T > 1:
+        seen = seen & (new0 + t >= lo)
+    return seen
+
+
+@triton.jit
+def _own_slot(t_row, pos, s_lo, s_hi, t_start, table_width, num_slots):
+    """``(here, slot)`` of the step's own key at position ``pos`` (a scalar): ``here`` when the
+    split ``[s_lo, s_hi)`` holds it and its table entry is a slot in ``[1, num_slots)``."""
+    here = (pos >= s_lo) & (pos < s_hi)
+    col = pos - t_start
+    slot = tl.load(t_row + col, mask=here & (col >= 0) & (col < table_width), other=0)
+    return here & (slot >= 1) & (slot < num_slots), slot
+
+
+@triton.jit
+def _own_rows(KNew, VNew, K, V, row, slot, here, kv_col, kv_stride, stride_knt, stride_vnt, offs_d,
+              HEAD_DIM: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+    """The own key's K and V rows of the group's kv head (``[BLOCK_D]`` each): from ``k`` / ``v``
+    when the layer stores the step (``row``), else from the cache (``slot``); zeros where
+    ``here`` is false."""
+    mask = offs_d < tl.where(here, HEAD_DIM, 0)  # (not ``d_valid & here``: a scalar mask broadcast
+    # that Triton's interpreter turns into integers)
+    if STORE:
+        row = row.to(tl.int64)
+        k = tl.load(KNew + row * stride_knt + kv_col, mask=mask, other=0.0)
+        v = tl.load(VNew + row * stride_vnt + kv_col, mask=mask, other=0.0)
+    else:
+        off = slot.to(tl.int64) * kv_stride + kv_col
+        k = tl.load(K + off, mask=mask, other=0.0)
+        v = tl.load(V + off, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _store_attend_kernel(
     Q,
     KNew,
@@ -331,11 +371,19 @@ def _store_attend_kernel(
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
         # (not ``_key_block``: its table read is not bounded below by the split, and the kernel
         # compiled through it took 4 more registers on the bs 8 SWA plan, offline for sm_90)
-        offs_o = new0 + tl.arange(0, BLOCK_O)
-        o_range = (offs_o >= s_lo) & (offs_o < s_hi)
-        o_col = offs_o - t_start
-        o_slot = tl.load(t_row + o_col, mask=o_range & (o_col >= 0) & (o_col < table_width), other=0)
-        o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
+        if BLOCK_O < 16:  # up to OWN_VECTORS own keys (BLOCK_O: 1, 2 or 4), one scalar table read each
+            here0, slot0 = _own_slot(t_row, new0, s_lo, s_hi, t_start, table_width, num_slots)
+            if BLOCK_O > 1:
+                here1, slot1 = _own_slot(t_row, new0 + 1, s_lo, s_hi, t_start, table_width, num_slots)
+            if BLOCK_O > 2:
+                here2, slot2 = _own_slot(t_row, new0 + 2, s_lo, s_hi, t_start, table_width, num_slots)
+                here3, slot3 = _own_slot(t_row, new0 + 3, s_lo, s_hi, t_start, table_width, num_slots)
+        else:
+            offs_o = new0 + tl.arange(0, BLOCK_O)
+            o_range = (offs_o >= s_lo) & (offs_o < s_hi)
+            o_col = offs_o - t_start
+            o_slot = tl.load(t_row + o_col, mask=o_range & (o_col >= 0) & (o_col < table_width), other=0)
+            o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
     if PDL and PROLOGUE:
         tl.extra.cuda.gdc_wait()
     if PDL and RELEASE_EARLY:
@@ -359,16 +407,30 @@ def _store_attend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if OWN_BLOCK:  # the first block as laid out before the wait: cached keys only
         k, v, first_key, acc, qk0 = k_old, v_old, has_key & ~is_new, o_pre, s_pre
-        # the own keys' rows, loaded with q (nothing where the split holds none)
-        o_mask = o_key[:, None] & d_valid[None, :]
-        if STORE:  # the rows being stored, read from k / v
-            o_row = (q_start + offs_o - new0).to(tl.int64)
-            k_own = tl.load(KNew + o_row[:, None] * stride_knt + kv_col[None, :], mask=o_mask, other=0.0)
-            v_own = tl.load(VNew + o_row[:, None] * stride_vnt + kv_col[None, :], mask=o_mask, other=0.0)
+        # the own keys' rows, loaded with q (nothing where the split does not hold them)
+        if BLOCK_O < 16:
+            # fmt: off
+            k0, v0 = _own_rows(KNew, VNew, K, V, q_start, slot0, here0, kv_col, kv_stride, stride_knt, stride_vnt,
+                               offs_d, HEAD_DIM, STORE)
+            if BLOCK_O > 1:
+                k1, v1 = _own_rows(KNew, VNew, K, V, q_start + 1, slot1, here1, kv_col, kv_stride, stride_knt,
+                                   stride_vnt, offs_d, HEAD_DIM, STORE)
+            if BLOCK_O > 2:
+                k2, v2 = _own_rows(KNew, VNew, K, V, q_start + 2, slot2, here2, kv_col, kv_stride, stride_knt,
+                                   stride_vnt, offs_d, HEAD_DIM, STORE)
+                k3, v3 = _own_rows(KNew, VNew, K, V, q_start + 3, slot3, here3, kv_col, kv_stride, stride_knt,
+                                   stride_vnt, offs_d, HEAD_DIM, STORE)
+            # fmt: on
         else:
-            o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-            k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
-            v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
+            o_mask = o_key[:, None] & d_valid[None, :]
+            if STORE:  # the rows being stored, read from k / v
+                o_row = (q_start + offs_o - new0).to(tl.int64)
+                k_own = tl.load(KNew + o_row[:, None] * stride_knt + kv_col[None, :], mask=o_mask, other=0.0)
+                v_own = tl.load(VNew + o_row[:, None] * stride_vnt + kv_col[None, :], mask=o_mask, other=0.0)
+            else:
+                o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
+                k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
+                v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
     else:
         first_key, acc, qk0 = has_key, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), None
         new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
@@ -410,16 +472,27 @@ def _store_attend_kernel(
         )
         # fmt: on
     if OWN_BLOCK:
-        if BLOCK_O < 16:  # a few own keys (decode: one), each folded as a vector where the split holds it
-            for t in tl.static_range(BLOCK_O):
-                pick = tl.arange(0, BLOCK_O) == t
-                if tl.sum(tl.where(pick & o_key, 1, 0), 0) > 0:
-                    seen = row_valid & (tok >= t)  # causal among the step's tokens
-                    if HAS_WINDOW:
-                        seen = seen & (new0 + t >= lo)
-                    k_t = tl.sum(tl.where(pick[:, None], k_own.to(tl.float32), 0.0), 0)
-                    v_t = tl.sum(tl.where(pick[:, None], v_own.to(tl.float32), 0.0), 0)
-                    m_i, l_i, acc = _online_key(q, k_t, v_t, seen, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP)
+        if BLOCK_O < 16:  # each own key folded as a vector where the split holds it (decode: one)
+            # fmt: off
+            if here0:
+                m_i, l_i, acc = _online_key(
+                    q, k0, v0, _sees(row_valid, tok, lo, new0, 0, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
+                    softcap_log2, SOFTCAP)
+            if BLOCK_O > 1:
+                if here1:
+                    m_i, l_i, acc = _online_key(
+                        q, k1, v1, _sees(row_valid, tok, lo, new0, 1, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
+                        softcap_log2, SOFTCAP)
+            if BLOCK_O > 2:
+                if here2:
+                    m_i, l_i, acc = _online_key(
+                        q, k2, v2, _sees(row_valid, tok, lo, new0, 2, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
+                        softcap_log2, SOFTCAP)
+                if here3:
+                    m_i, l_i, acc = _online_key(
+                        q, k3, v3, _sees(row_valid, tok, lo, new0, 3, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
+                        softcap_log2, SOFTCAP)
+            # fmt: on
         else:
             # fmt: off
             m_i, l_i, acc = _online_block(
