@@ -2,9 +2,9 @@
 
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
 ``--tool racecheck``): the store (Triton and C++), the step-metadata launch, the one-launch
-small decode and verify (store + split attention + atomic-ticket merge; once more with the
-first key block laid out before the wait, the step's own keys folded as vectors and the
-release at entry, as decode steps of up to one group an SM run it, and once in two splits of 4-warp programs with
+small decode (store + split attention + atomic-ticket merge; once more with the first key
+block laid out before the wait, the own key folded as a vector and the release at entry, as
+decode steps of up to one group an SM run it, and once in two splits of 4-warp programs with
 128-key blocks, as decode steps' paired plans run it), and paged attention for extend and,
 with the one-launch path off, for decode and verify storing the step in its own launch
 (split KV + combine; its PDL prologue and early release on), on SWA and full layers, eager

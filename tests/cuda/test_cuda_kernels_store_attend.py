@@ -227,13 +227,12 @@ def test_plans_pair_programs_on_each_sm():
 
 
 #: (seq_lens, q_len, run_case arguments): the step's own keys after the cached ones
-#: (``own_block``: as vectors up to ``OWN_VECTORS`` a request, else in a block of their own), the
-#: first key block laid out before the wait
+#: (``own_block``: a decode step's one as a vector, more in a block of their own), the first key
+#: block laid out before the wait
 OWN_BLOCK_CASES = {
     # a window narrower than the step: a draft row sees only the last own keys
     "drafts_window_narrower_than_the_step": ([30, 17, 9], 4, dict(window=2, splits=2)),
-    # more own keys than OWN_VECTORS: a block of 16
-    "six_tokens_in_a_block": ([40, 25], 6, dict(H=4, Hkv=2, window=9, splits=4)),
+    "six_tokens": ([40, 25], 6, dict(H=4, Hkv=2, window=9, splits=4)),
     "decode_unsplit": ([23, 40, 9], 1, dict(splits=1)),
     "decode_window_8_splits": ([23, 40, 9], 1, dict(splits=8, window=6)),
     "sinks_16_splits_some_empty": ([23, 40, 9], 1, dict(splits=16, with_sinks=True)),

@@ -28,12 +28,11 @@ launches, not bandwidth; this kernel shortens the chain:
   holds cached keys only, and two products with zero matrices, taken before the wait, move its
   K and V into the products' layouts there (exact: their results start the real products'
   accumulators);
-  the step's own keys then come after the others, read from ``k`` / ``v``. Up to
-  ``OWN_VECTORS`` a request (a decode step's one, four drafts' four) they are no block: the
-  split that holds a key folds it in as a vector (its logits as row sums of ``q * k`` in
-  float32, ``p * v`` added to the accumulator; causal among the step's tokens), with no
-  product tile and no layout change after the wait, and every other split skips it. More
-  own keys take a block of their own.
+  the step's own keys then come in a block of their own after the others, read from
+  ``k`` / ``v``. A decode step's one own key is no block: the split that holds it folds it
+  in as a vector (its logits as row sums of ``q * k`` in float32, ``p * v`` added to the
+  accumulator), with no product tile and no layout change after the wait, and every other
+  split skips it.
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots, ``R`` table rows):
@@ -122,9 +121,6 @@ PAIRED_MIN_KEYS_PER_SPLIT = 64
 MERGE_ROWS = 64
 #: most (split, row) pairs one merge reads: the split count stops there
 MERGE_READS = 256
-#: with ``own_block``, steps of up to this many tokens a request fold their own keys in as
-#: vectors, one key at a time (``_online_key``); longer steps take a block of them
-OWN_VECTORS = 4
 #: most (request, kv head) groups per SM of a step this kernel serves. An H200, the 48-layer
 #: hybrid step (8 kv heads, W 256, 1,024 keys), one launch a layer against the KV store +
 #: paged attention: decode bs 16 641.0 against 776.8 us, bs 32 938.9 against 1053.1 us;
@@ -187,62 +183,22 @@ def _online_block(
 
 
 @triton.jit
-def _online_key(q, k, v, seen, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
-    """One key (``k``, ``v``: ``[BLOCK_D]``) folded into the running ``(m_i, l_i, acc)`` of the
-    rows in ``seen``: its logits as row sums of ``q * k`` in float32 and ``p * v`` added to
-    ``acc``, with no product tile and no layout change through shared memory."""
+def _online_key(q, k, v, row_valid, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """One key (``k``, ``v``: ``[BLOCK_D]``) folded into every valid row's running ``(m_i, l_i,
+    acc)``: its logits as row sums of ``q * k`` in float32 and ``p * v`` added to ``acc``, with
+    no product tile and no layout change through shared memory."""
     qk = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
     if SOFTCAP:
         qk = _tanh(qk * qk_scale) * softcap_log2
     else:
         qk = qk * qk_scale
-    qk = tl.where(seen, qk, float("-inf"))
+    qk = tl.where(row_valid, qk, float("-inf"))
     m_new = tl.maximum(m_i, qk)
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(qk - m_new)
     l_i = l_i * alpha + p
     acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
     return m_new, l_i, acc
-
-
-@triton.jit
-def _sees(row_valid, tok, lo, new0, t: tl.constexpr, BLOCK_T: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """The rows that see the step's own key ``t`` (at ``new0 + t``): valid rows of token ``t``
-    on (causal among the step's tokens) whose window reaches it (a decode step's one row
-    always sees its own key)."""
-    seen = row_valid & (tok >= t) if t > 0 else row_valid
-    if HAS_WINDOW and BLOCK_T > 1:
-        seen = seen & (new0 + t >= lo)
-    return seen
-
-
-@triton.jit
-def _own_slot(t_row, pos, s_lo, s_hi, t_start, table_width, num_slots):
-    """``(here, slot)`` of the step's own key at position ``pos`` (a scalar): ``here`` when the
-    split ``[s_lo, s_hi)`` holds it and its table entry is a slot in ``[1, num_slots)``."""
-    here = (pos >= s_lo) & (pos < s_hi)
-    col = pos - t_start
-    slot = tl.load(t_row + col, mask=here & (col >= 0) & (col < table_width), other=0)
-    return here & (slot >= 1) & (slot < num_slots), slot
-
-
-@triton.jit
-def _own_rows(KNew, VNew, K, V, row, slot, here, kv_col, kv_stride, stride_knt, stride_vnt, offs_d,
-              HEAD_DIM: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
-    """The own key's K and V rows of the group's kv head (``[BLOCK_D]`` each): from ``k`` / ``v``
-    when the layer stores the step (``row``), else from the cache (``slot``); zeros where
-    ``here`` is false."""
-    mask = offs_d < tl.where(here, HEAD_DIM, 0)  # (not ``d_valid & here``: a scalar mask broadcast
-    # that Triton's interpreter turns into integers)
-    if STORE:
-        row = row.to(tl.int64)
-        k = tl.load(KNew + row * stride_knt + kv_col, mask=mask, other=0.0)
-        v = tl.load(VNew + row * stride_vnt + kv_col, mask=mask, other=0.0)
-    else:
-        off = slot.to(tl.int64) * kv_stride + kv_col
-        k = tl.load(K + off, mask=mask, other=0.0)
-        v = tl.load(V + off, mask=mask, other=0.0)
-    return k, v
 
 
 @triton.jit
@@ -283,7 +239,7 @@ def _store_attend_kernel(
     BLOCK_M: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_O: tl.constexpr,  # with OWN_BLOCK: positions of the step's own keys (below 16: vectors)
+    BLOCK_O: tl.constexpr,  # with OWN_BLOCK: positions of the step's own keys' block (>= 16)
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,  # splits merged per trip of the merge loop (divides NUM_SPLITS)
@@ -371,13 +327,11 @@ def _store_attend_kernel(
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
         # (not ``_key_block``: its table read is not bounded below by the split, and the kernel
         # compiled through it took 4 more registers on the bs 8 SWA plan, offline for sm_90)
-        if BLOCK_O < 16:  # up to OWN_VECTORS own keys (BLOCK_O: 1, 2 or 4), one scalar table read each
-            here0, slot0 = _own_slot(t_row, new0, s_lo, s_hi, t_start, table_width, num_slots)
-            if BLOCK_O > 1:
-                here1, slot1 = _own_slot(t_row, new0 + 1, s_lo, s_hi, t_start, table_width, num_slots)
-            if BLOCK_O > 2:
-                here2, slot2 = _own_slot(t_row, new0 + 2, s_lo, s_hi, t_start, table_width, num_slots)
-                here3, slot3 = _own_slot(t_row, new0 + 3, s_lo, s_hi, t_start, table_width, num_slots)
+        if BLOCK_T == 1:  # decode: one own key, folded as a vector by the split that holds it
+            o_here = (new0 >= s_lo) & (new0 < s_hi)
+            o_col1 = new0 - t_start
+            o_slot1 = tl.load(t_row + o_col1, mask=o_here & (o_col1 >= 0) & (o_col1 < table_width), other=0)
+            o_here = o_here & (o_slot1 >= 1) & (o_slot1 < num_slots)
         else:
             offs_o = new0 + tl.arange(0, BLOCK_O)
             o_range = (offs_o >= s_lo) & (offs_o < s_hi)
@@ -407,20 +361,16 @@ def _store_attend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if OWN_BLOCK:  # the first block as laid out before the wait: cached keys only
         k, v, first_key, acc, qk0 = k_old, v_old, has_key & ~is_new, o_pre, s_pre
-        # the own keys' rows, loaded with q (nothing where the split does not hold them)
-        if BLOCK_O < 16:
-            # fmt: off
-            k0, v0 = _own_rows(KNew, VNew, K, V, q_start, slot0, here0, kv_col, kv_stride, stride_knt, stride_vnt,
-                               offs_d, HEAD_DIM, STORE)
-            if BLOCK_O > 1:
-                k1, v1 = _own_rows(KNew, VNew, K, V, q_start + 1, slot1, here1, kv_col, kv_stride, stride_knt,
-                                   stride_vnt, offs_d, HEAD_DIM, STORE)
-            if BLOCK_O > 2:
-                k2, v2 = _own_rows(KNew, VNew, K, V, q_start + 2, slot2, here2, kv_col, kv_stride, stride_knt,
-                                   stride_vnt, offs_d, HEAD_DIM, STORE)
-                k3, v3 = _own_rows(KNew, VNew, K, V, q_start + 3, slot3, here3, kv_col, kv_stride, stride_knt,
-                                   stride_vnt, offs_d, HEAD_DIM, STORE)
-            # fmt: on
+        if BLOCK_T == 1:  # decode: the own key's row, loaded with q (nothing where no split holds it)
+            o_mask1 = offs_d < tl.where(o_here, HEAD_DIM, 0)  # (not ``d_valid & o_here``: a scalar mask
+            # broadcast that Triton's interpreter turns into integers)
+            if STORE:
+                k_own = tl.load(KNew + q_start.to(tl.int64) * stride_knt + kv_col, mask=o_mask1, other=0.0)
+                v_own = tl.load(VNew + q_start.to(tl.int64) * stride_vnt + kv_col, mask=o_mask1, other=0.0)
+            else:
+                o_off1 = o_slot1.to(tl.int64) * kv_stride + kv_col
+                k_own = tl.load(K + o_off1, mask=o_mask1, other=0.0)
+                v_own = tl.load(V + o_off1, mask=o_mask1, other=0.0)
         else:
             o_mask = o_key[:, None] & d_valid[None, :]
             if STORE:  # the rows being stored, read from k / v
@@ -472,27 +422,9 @@ def _store_attend_kernel(
         )
         # fmt: on
     if OWN_BLOCK:
-        if BLOCK_O < 16:  # each own key folded as a vector where the split holds it (decode: one)
-            # fmt: off
-            if here0:
-                m_i, l_i, acc = _online_key(
-                    q, k0, v0, _sees(row_valid, tok, lo, new0, 0, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
-                    softcap_log2, SOFTCAP)
-            if BLOCK_O > 1:
-                if here1:
-                    m_i, l_i, acc = _online_key(
-                        q, k1, v1, _sees(row_valid, tok, lo, new0, 1, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
-                        softcap_log2, SOFTCAP)
-            if BLOCK_O > 2:
-                if here2:
-                    m_i, l_i, acc = _online_key(
-                        q, k2, v2, _sees(row_valid, tok, lo, new0, 2, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
-                        softcap_log2, SOFTCAP)
-                if here3:
-                    m_i, l_i, acc = _online_key(
-                        q, k3, v3, _sees(row_valid, tok, lo, new0, 3, BLOCK_T, HAS_WINDOW), m_i, l_i, acc, qk_scale,
-                        softcap_log2, SOFTCAP)
-            # fmt: on
+        if BLOCK_T == 1:
+            if o_here:  # one key at the row's own position: inside the window, never masked
+                m_i, l_i, acc = _online_key(q, k_own, v_own, row_valid, m_i, l_i, acc, qk_scale, softcap_log2, SOFTCAP)
         else:
             # fmt: off
             m_i, l_i, acc = _online_block(
@@ -706,13 +638,6 @@ def _plan(num_reqs, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window
     )
 
 
-def _own_width(max_q_len: int) -> int:
-    """``BLOCK_O``: positions of a step's own keys. Up to ``OWN_VECTORS`` a request, one each
-    (folded as vectors); more take a block of at least 16 (the products' smallest tile)."""
-    width = triton.next_power_of_2(max(1, max_q_len))
-    return width if width <= OWN_VECTORS else max(16, width)
-
-
 def plan_store_attend(
     *,
     num_reqs: int,
@@ -874,7 +799,7 @@ def store_attend(
         BLOCK_M=plan["BLOCK_M"],
         ROWS=plan["ROWS"],
         BLOCK_T=max(1, triton.next_power_of_2(max(1, max_q_len))),
-        BLOCK_O=_own_width(max_q_len),
+        BLOCK_O=max(16, triton.next_power_of_2(max(1, max_q_len))),
         BLOCK_N=plan["BLOCK_N"],
         NUM_SPLITS=splits,
         MERGE_CHUNK=plan["MERGE_CHUNK"],
