@@ -1,36 +1,38 @@
 #!/usr/bin/env python3
-"""The latency floor of a small step's attention layers: 48 dependent launches in one PDL graph,
-each doing only the memory traffic and hand-offs a layer of that shape cannot avoid.
+"""What a small step's attention layers cost without their arithmetic: 48 dependent launches in
+one PDL graph, each doing only the memory traffic, the split merge and the hand-offs of a layer.
 
-    python benchmarks/chain_floor.py [--bs 1 8] [--variant 'LABEL KIND S [KEY=INT ...]' ...]
-                                     [--json FILE]
+    python benchmarks/layer_skeleton.py [--bs 1 8] [--variant 'LABEL KIND SPLITS [KEY=INT ...]' ...]
+                                        [--mix 'SWA_LABEL FULL_LABEL' ...] [--json FILE]
 
 A layer of ``hybrid_step`` (32 q / 8 kv heads, D 128, bf16; an SWA layer reads a 256-key window
-of each request, a full layer 1,024 keys) is here ``_chain_floor_kernel``, the skeleton of
+of each request, a full layer 1,024 keys) is here ``_layer_skeleton_kernel``: the structure of
 ``store_attend``'s one launch with its arithmetic taken out. Program ``(group, split)`` of a
 ``(request, kv head)`` group:
 
 1. before ``gdc_wait``: reads its split's share of the group's table row, then the K and V
-   rows of those slots (256-byte rows of the layer's own cache, scattered), as
-   ``store_attend``'s prologue does;
+   rows of those slots (256-byte rows of the layer's own cache, random slots), in one shot;
 2. after the wait: reads the group's q rows (written by the previous launch: here the previous
    layer's output), adds ``sum_keys(k * v)`` to them in float32 (every loaded byte is used);
 3. one split: stores the output. Several: stores its partial, takes the group's ticket
    (``atomic_add``, ``acq_rel``, after a barrier), and the last program of the group reloads
    every partial (``.cg``), averages them into the output and zeroes the ticket;
-4. releases its dependents (``entry=1``: at its entry instead).
+4. releases its dependents at its end, right after its wait (``early=1``) or at its entry
+   (``entry=1``).
 
-No products, no softmax, no masks: what it measures is what the memory round trips, the
-ticket and the launch hand-offs cost on their own. A layer built the same way (PDL, a split
-merge through global memory) cannot be faster than its row here.
+No products, no softmax, no masks: a row shows what a structure (split count, release point)
+costs in launches, round trips and the merge alone. It bounds a kernel of that structure only
+where the kernel reads its keys the same way: each program loads its whole share at once, with
+as many warps as that takes (4 to 16), where ``store_attend`` pipelines key blocks over
+programs that share an SM, which can be faster (bs 8).
 
 Each ``--variant`` is ``LABEL KIND SPLITS`` (``KIND``: ``swa``, ``full`` or ``none``, the last
-reading no keys at all) with optional ``entry=0/1``, ``warps=N``, ``pdl=0/1``. The script
-times a graph of 48 launches of each variant (CUDA events, median of 5 x 200 replays) and
-prints the period a layer (the graph's time / 48). Then, for each pair of an SWA and a full
-variant named in ``--mix``, and the fastest of each kind, the graph of the
-``hybrid_step`` pattern (layer ``l`` full when ``l % 4 == 3``, 36 SWA and 12 full) is timed:
-the floor of the whole step's attention layers. Each variant's one launch is first checked
+reading no keys at all) with optional ``entry=0/1``, ``early=0/1``, ``warps=N``, ``pdl=0/1``,
+``noq=1`` (a launch that only waits and releases). The script times a graph of 48 launches of
+each variant (CUDA events, median of 5 x 200 replays) and prints the period a layer (the
+graph's time / 48). Then, for each pair of an SWA and a full variant named in ``--mix``, and
+the fastest of each kind, the graph of the ``hybrid_step`` pattern (layer ``l`` full when
+``l % 4 == 3``: 36 SWA and 12 full) is timed. Each variant's one launch is first checked
 against a PyTorch computation of the same sums. Needs a CUDA GPU with PDL (sm_90).
 """
 
@@ -67,11 +69,15 @@ DEFAULT_VARIANTS = (
     "full_s8 full 8",
     "full_s4 full 4",
     "full_s8_entry full 8 entry=1",
+    "swa_s8_early swa 8 early=1",
+    "swa_s8_entry swa 8 entry=1",
+    "full_s16_early full 16 early=1",
+    "full_s16_entry full 16 entry=1",
 )
 
 
 @triton.jit
-def _chain_floor_kernel(
+def _layer_skeleton_kernel(
     Q,
     Out,
     K,
@@ -88,6 +94,7 @@ def _chain_floor_kernel(
     LOAD_Q: tl.constexpr,
     PDL: tl.constexpr,
     ENTRY: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     g = tl.program_id(0)
     s = tl.program_id(1)
@@ -105,6 +112,8 @@ def _chain_floor_kernel(
         v = tl.load(V + kv_off)
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if EARLY and not ENTRY:
+            tl.extra.cuda.gdc_launch_dependents()
     rows = (b * HKV + hk) * G + offs_g
     r_ptrs = rows[:, None] * D + offs_d[None, :]
     if LOAD_Q:
@@ -125,7 +134,7 @@ def _chain_floor_kernel(
                     acc += tl.load(Work + p_ptrs, cache_modifier=".cg").to(tl.float32)
                 tl.store(Out + r_ptrs, (acc / SPLITS).to(Out.dtype.element_ty))
                 tl.atomic_xchg(Tickets + g, 0, sem="relaxed")
-    if PDL and not ENTRY:
+    if PDL and not ENTRY and not EARLY:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -140,9 +149,9 @@ def parse_variant(text: str) -> Tuple[str, str, int, Dict[str, int]]:
         opts = {w.split("=", 1)[0]: int(w.split("=", 1)[1]) for w in words[3:]}
     except (ValueError, IndexError):
         raise ValueError(f"SPLITS and each option are integers (KEY=INT): {text!r}") from None
-    unknown = set(opts) - {"entry", "warps", "pdl", "noq"}
+    unknown = set(opts) - {"entry", "early", "warps", "pdl", "noq"}
     if unknown:
-        raise ValueError(f"unknown option(s) {sorted(unknown)} in {text!r}: entry, warps, pdl, noq")
+        raise ValueError(f"unknown option(s) {sorted(unknown)} in {text!r}: entry, early, warps, pdl, noq")
     if splits < 1 or splits & (splits - 1) or (KEYS[kind] and KEYS[kind] // splits < 16):
         raise ValueError(f"SPLITS is a power of two leaving a split at least 16 keys: {text!r}")
     return label, kind, splits, opts
@@ -174,10 +183,11 @@ class Layer:
         share = KEYS[self.kind] // splits
         warps = opts.get("warps", min(16, max(4, share // 16)))
         extra = {"launch_pdl": True} if pdl else {}
-        _chain_floor_kernel[(self.bs * HKV, splits)](
+        _layer_skeleton_kernel[(self.bs * HKV, splits)](
             q, out, self.k, self.v, self.table, self.work, self.tickets, self.width,
             HKV=HKV, G=GROUP, D=HEAD_DIM, SHARE=share, SPLITS=splits, LOAD_Q=not opts.get("noq", 0),
-            PDL=pdl, ENTRY=bool(opts.get("entry", 0)) and pdl, num_warps=warps, **extra,
+            PDL=pdl, ENTRY=bool(opts.get("entry", 0)) and pdl, EARLY=bool(opts.get("early", 0)) and pdl,
+            num_warps=warps, **extra,
         )  # fmt: skip
 
     def reference(self, q: torch.Tensor, splits: int) -> torch.Tensor:
@@ -200,13 +210,13 @@ def check(layer: Layer, splits: int, opts: Dict[str, int], device) -> float:
     when it is off or a ticket is left non-zero."""
     q = (torch.randn(layer.bs * HKV * GROUP, HEAD_DIM, device=device) * 0.5).to(torch.bfloat16)
     out = torch.zeros_like(q)
-    layer.launch(q, out, splits, {**opts, "entry": 0}, pdl=False)
+    layer.launch(q, out, splits, {**opts, "entry": 0, "early": 0}, pdl=False)
     if opts.get("noq", 0):
         return 0.0
     ref = layer.reference(q, splits)
     diff = (out.float() - ref).abs().max().item()
     if diff > 0.02 + 0.01 * ref.abs().max().item() or int(layer.tickets.abs().sum().item()) != 0:
-        raise AssertionError(f"chain floor kernel off: max diff {diff:.3e}, tickets {layer.tickets.tolist()}")
+        raise AssertionError(f"layer skeleton kernel off: max diff {diff:.3e}, tickets {layer.tickets.tolist()}")
     return diff
 
 
@@ -240,7 +250,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        print("chain_floor.py needs a CUDA GPU with PDL (sm_90)", file=sys.stderr)
+        print("layer_skeleton.py needs a CUDA GPU with PDL (sm_90)", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
