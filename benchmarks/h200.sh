@@ -35,6 +35,7 @@ if [ "$stage" = check ]; then
   attnplug info >>"$out/env.log" 2>&1
   run conformance 170 attnplug conformance --backend cuda --report "$out/conformance.json"
   run pdl_proof 200 python3 benchmarks/pdl_proof.py --steps 1000 --json "$out/pdl_proof.json"
+  run sanitize_warm 150 python3 benchmarks/sanitize_kernels.py  # compiles its kernels outside the sanitizer
   run memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
   run racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
   cat "$out/env.log"
@@ -52,6 +53,7 @@ elif [ "$stage" = trust ]; then
     tests/cuda/test_cuda_staged_attend.py tests/cuda/test_cuda_resident_attend.py \
     tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
   run conformance 280 attnplug conformance --backend cuda --report "$out/conformance.json"
+  run sanitize_warm 150 python3 benchmarks/sanitize_kernels.py  # compiles its kernels outside the sanitizer
   run memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
   run engine_loop 60 python3 examples/engine_loop.py --backend cuda --device cuda
   cat "$out/env.log"
