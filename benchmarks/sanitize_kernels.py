@@ -11,8 +11,8 @@ with the one-launch path off, for decode and verify storing the step in its own 
 and in a captured graph.
 Small on purpose: the sanitizer slows kernels by orders of magnitude. Run it once without the
 sanitizer first, so that Triton's cache holds its kernels: on a machine whose cache was empty,
-memcheck and racecheck had not reached a kernel after 150 seconds (compiling under the
-sanitizer), where with a warm cache each finishes within 60.
+memcheck and racecheck had not reached a kernel after 150 seconds (most likely compiling under
+the sanitizer), where after other runs had compiled the kernels each finished within 60.
 """
 
 import functools
