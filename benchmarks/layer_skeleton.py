@@ -172,11 +172,10 @@ class Layer:
         self.v = (torch.randn(shape, generator=gen, device=device) * 0.1).to(torch.bfloat16)
         perm = torch.randperm(max(slots - 1, 1), generator=gen, device=device)[: bs * keys] + 1
         self.table = (
-            perm.reshape(bs, keys).to(torch.int32).to(device)
-            if keys
-            else torch.ones(bs, 1, dtype=torch.int32, device=device)
+            perm.reshape(bs, keys).to(torch.int32) if keys else torch.ones(bs, 1, dtype=torch.int32, device=device)
         )
-        self.work = torch.empty(bs * HKV * 64 * GROUP * HEAD_DIM, dtype=torch.bfloat16, device=device)
+        most_splits = KEYS["full"] // 16  # parse_variant leaves a split at least 16 keys
+        self.work = torch.empty(bs * HKV * most_splits * GROUP * HEAD_DIM, dtype=torch.bfloat16, device=device)
         self.tickets = torch.zeros(bs * HKV, dtype=torch.int32, device=device)
 
     def launch(self, q: torch.Tensor, out: torch.Tensor, splits: int, opts: Dict[str, int], pdl: bool) -> None:
@@ -210,7 +209,7 @@ def check(layer: Layer, splits: int, opts: Dict[str, int], device) -> float:
     when it is off or a ticket is left non-zero."""
     q = (torch.randn(layer.bs * HKV * GROUP, HEAD_DIM, device=device) * 0.5).to(torch.bfloat16)
     out = torch.zeros_like(q)
-    layer.launch(q, out, splits, {**opts, "entry": 0, "early": 0}, pdl=False)
+    layer.launch(q, out, splits, opts, pdl=False)  # without PDL, entry / early release nothing
     if opts.get("noq", 0):
         return 0.0
     ref = layer.reference(q, splits)
@@ -254,10 +253,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     device = torch.device("cuda")
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
-    kinds = {v[0]: v[1] for v in variants}
+    named = {v[0]: v for v in variants}
     for mix in args.mix or ():
-        if [kinds.get(w) for w in mix.split()] != ["swa", "full"]:
-            ap.error(f"--mix {mix!r}: the label of an swa variant, then of a full one (variants: {kinds})")
+        if [named[w][1] if w in named else None for w in mix.split()] != ["swa", "full"]:
+            ap.error(f"--mix {mix!r}: the label of an swa variant, then of a full one (variants: {sorted(named)})")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows = []
     for bs in args.bs:
@@ -276,7 +275,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if by_kind["swa"] and by_kind["full"]:
             best = [min(by_kind[k], key=lambda v: period[v[0]])[0] for k in ("swa", "full")]
             mixes += [best] if best not in mixes else []
-        named = {v[0]: v for v in variants}
         for swa_label, full_label in mixes:
             sv, fv = named[swa_label], named[full_label]
             plan = [
