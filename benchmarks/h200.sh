@@ -1,19 +1,12 @@
 #!/usr/bin/env bash
-# The H200 proof run, in stages that each take under 10 minutes:
+# The GPU proof run (an H100 or H200, sm_90), in stages that each take under 10 minutes:
 #   bash benchmarks/h200.sh check   # install, conformance on cuda, PDL proof, compute-sanitizer
-#   bash benchmarks/h200.sh bench   # benchmarks (attnplug bench --backend cuda): table, JSON, PNG plots;
-#                                   # FlashInfer from .whl/ when its wheels are there; hybrid_step table last
+#   bash benchmarks/h200.sh bench   # benchmarks (attnplug bench --backend cuda): table, JSON, PNG plots,
+#                                   # the figures appended to $OUT/history.jsonl; FlashInfer from .whl/
+#                                   # when its wheels are there; hybrid_step table last
 #   bash benchmarks/h200.sh trust   # GPU tests, conformance on cuda, the engine-loop example
 #   bash benchmarks/h200.sh soak    # 20,000-step soak of the cuda backend (graphs, PDL)
 #   bash benchmarks/h200.sh models  # transformers models through Engine on cuda, generate
-#   bash benchmarks/h200.sh timeline  # the one-launch layers: their GPU tests, then layer_timeline
-#                                     # (decode and draft, bs 1 and 8, with stamps; the Triton
-#                                     # kernel alone, then routed as the backend does)
-#   bash benchmarks/h200.sh paths   # step_paths.py: the step's layers through each layer path at
-#                                   # bs 16-128 (decode, then draft), with per-layer profiles
-# PATHS="'one one' 'n64 one BLOCK_N=64'" replaces the paths stage's default paths (--path, one per quoted word).
-# TIMELINE_VARIANTS="'f1 full.num_stages=1' 'w4 swa.num_warps=4'" adds those plan variants to the
-# timeline stage's runs (layer_timeline.py --variant, one per quoted word).
 # BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks.
 # Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
 set -u
@@ -46,12 +39,11 @@ elif [ "$stage" = trust ]; then
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/env.log" 2>&1
   python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
   run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_kv_store.py \
-    tests/cuda/test_cuda_kernels_paged_attention.py tests/cuda/test_cuda_kernels_store_attend.py \
-    tests/cuda/test_cuda_kernels_step_metadata.py tests/cuda/test_cuda_replay_copy.py \
-    tests/cuda/test_cuda_softcap_sinks_interpreted.py tests/cuda/test_cuda_csrc_build.py \
-    tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_allocator_never_waits.py \
-    tests/cuda/test_cuda_staged_attend.py tests/cuda/test_cuda_resident_attend.py \
-    tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
+    tests/cuda/test_cuda_kernels_paged_attention.py tests/cuda/test_cuda_kernels_paged_store.py \
+    tests/cuda/test_cuda_kernels_store_attend.py tests/cuda/test_cuda_kernels_step_metadata.py \
+    tests/cuda/test_cuda_replay_copy.py tests/cuda/test_cuda_softcap_sinks_interpreted.py \
+    tests/cuda/test_cuda_csrc_build.py tests/cuda/test_cuda_one_launch_steps.py \
+    tests/cuda/test_allocator_never_waits.py tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
   run conformance 280 attnplug conformance --backend cuda --report "$out/conformance.json"
   run sanitize_warm 150 python3 benchmarks/sanitize_kernels.py  # compiles its kernels outside the sanitizer
   run memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
@@ -67,31 +59,6 @@ elif [ "$stage" = models ]; then
     --max-new-tokens 16 --graphs
   tail -16 "$out/gpu_check.log"
   tail -3 "$out/generate.log"
-elif [ "$stage" = timeline ]; then
-  eval "variants=(${TIMELINE_VARIANTS:-})"
-  vargs=()
-  for v in "${variants[@]}"; do vargs+=(--variant "$v"); done
-  [ ${#vargs[@]} -gt 0 ] && vargs+=(--stamps)
-  run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_store_attend.py \
-    tests/cuda/test_cuda_one_launch_steps.py tests/cuda/test_layer_timeline_script.py tests/cuda/test_cuda_staged_attend.py \
-    tests/cuda/test_cuda_resident_attend.py
-  run timeline_decode 200 python3 benchmarks/layer_timeline.py --bs 1 8 --out "$out/timeline" "${vargs[@]}"
-  run timeline_draft 200 python3 benchmarks/layer_timeline.py --bs 1 8 --mode draft --out "$out/timeline" "${vargs[@]}"
-  run timeline_routed 200 python3 benchmarks/layer_timeline.py --kernel routed --bs 1 8 --stamps
-  run timeline_routed_draft 150 python3 benchmarks/layer_timeline.py --kernel routed --bs 1 8 --mode draft
-  tail -2 "$out/gpu_tests.log"
-  grep -hE "step|swa |full " "$out/timeline_decode.log" "$out/timeline_draft.log" "$out/timeline_routed.log" \
-    "$out/timeline_routed_draft.log"
-elif [ "$stage" = paths ]; then
-  eval "paths=(${PATHS:-})"
-  pargs=()
-  for p in "${paths[@]}"; do pargs+=(--path "$p"); done
-  run paths_decode "${PATHS_DECODE_S:-330}" python3 benchmarks/step_paths.py --bs ${PATHS_BS:-16 32 64 128} \
-    --profile --out "$out" "${pargs[@]}"
-  run paths_draft "${PATHS_DRAFT_S:-200}" python3 benchmarks/step_paths.py --mode draft \
-    --bs ${PATHS_BS:-16 32 64 128} --profile --out "$out" "${pargs[@]}"
-  grep -vE "^(decode|draft) bs=" "$out/paths_decode.log" | tail -60
-  grep -vE "^(decode|draft) bs=" "$out/paths_draft.log" | tail -60
 elif [ "$stage" = soak ]; then
   run soak 330 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"
@@ -110,7 +77,7 @@ else
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__, 'importable')" >>"$out/flashinfer.log" 2>&1
   # shellcheck disable=SC2086
   run bench 480 attnplug bench --backend cuda ${BENCH_ONLY:+--only $BENCH_ONLY} --out "$out/bench" --budget-s 460 \
-    --set flex_budget_s=60
+    --set flex_budget_s=60 --history "$out/history.jsonl"
   grep -v "hybrid_step" "$out/bench.log" | tail -40
   tail -2 "$out/flashinfer.log"
   # last: the hybrid_step table (floors and % of floor, PDL on/off, FlashInfer ratios, replay prep)

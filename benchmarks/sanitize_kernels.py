@@ -2,19 +2,20 @@
 
 ``compute-sanitizer --tool memcheck python benchmarks/sanitize_kernels.py`` (and
 ``--tool racecheck``): the store (Triton and C++), the step-metadata launch, the one-launch
-small decode (store + split attention + atomic-ticket merge; once more with the first key
-block laid out before the wait, the own key folded as a vector and the release at entry, as
-decode steps of up to one group an SM run it, and once in two splits of 4-warp programs with
-128-key blocks, as decode steps' paired plans run it), and paged attention for extend and,
-with the one-launch path off, for decode and verify storing the step in its own launch
-(split KV + combine; its PDL prologue and early release on), on SWA and full layers, eager
-and in a captured graph.
+small decode and verify steps (store + split attention + atomic-ticket merge; decode steps
+with the first key block laid out before the wait, the own key folded as a vector and the
+release at entry, their full layers in paired plans), and paged attention for extend and,
+with the one-launch path off (``CudaTuning(one_launch=False)``), for decode and verify
+storing the step in its own launch (split KV + combine; the PDL prologue and early release),
+on SWA and full layers, eager and in a captured graph. Public API only: the backend, its
+tuning and the conformance harness's world.
 Small on purpose: the sanitizer slows kernels by orders of magnitude. Run it once without the
 sanitizer first, so that Triton's cache holds its kernels: on a machine whose cache was empty,
 memcheck and racecheck had not reached a kernel after 150 seconds (most likely compiling under
 the sanitizer), where after other runs had compiled the kernels each finished within 60.
 """
 
+import dataclasses
 import functools
 import sys
 
@@ -23,17 +24,19 @@ import torch
 from attnplug import ForwardMode
 from attnplug_conformance.harness import World, WorldSpec
 
+#: 8 kv heads: three requests' 24 groups fill a sixteenth of the SMs (decode steps release at
+#: entry); a 1,024-key bound: the full layers' decode plans pair their programs
 SPEC = WorldSpec(
     num_layers=2,
-    num_heads=8,
-    num_kv_heads=2,
+    num_heads=32,
+    num_kv_heads=8,
     head_dim=128,
     dtype=torch.bfloat16,
     sliding_window=16,
-    size=2048,
+    size=4096,
     size_swa=1024,
     max_reqs=8,
-    max_context_len=256,
+    max_context_len=1024,
     swa_layer_ids=(0,),
 )
 
@@ -42,7 +45,7 @@ def _steps(backend_cls) -> World:
     """A prefill, an eager decode, then a decode and a verify step replayed from graphs."""
     world = World(SPEC, backend_cls, "cuda", seed=0)
     reqs = [world.new_request() for _ in range(3)]
-    step = world.plan(ForwardMode.EXTEND, reqs, [40, 7, 100])
+    step = world.plan(ForwardMode.EXTEND, reqs, [40, 700, 100])
     world.run_eager(step)
     world.commit(step)
     for r in reqs:
@@ -60,25 +63,11 @@ def _steps(backend_cls) -> World:
 
 def main() -> int:
     from attnplug_cuda.backend import CudaBackend
+    from attnplug_cuda.tuning import CudaTuning
 
-    class PagedSteps(CudaBackend):  # decode and verify through paged_attention, storing the step
-        one_launch_small_steps = False
-
-    class EarlyLayout(CudaBackend):  # the plan keys of small decode steps (own key, release at entry)
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._store_attend = functools.partial(self._store_attend, config={"own_block": 1, "release_entry": 1})
-
-    class PairedLayout(CudaBackend):  # paired plans (decode and draft steps): two splits of 4-warp, 128-key programs
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            config = {"num_splits": 2, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
-            self._store_attend = functools.partial(self._store_attend, config=config)
-
+    paged = dataclasses.replace(CudaTuning.from_env(), one_launch=False)  # decode / verify: paged_attention storing
     world = _steps(CudaBackend)
-    _steps(PagedSteps)
-    _steps(EarlyLayout)
-    _steps(PairedLayout)
+    _steps(functools.partial(CudaBackend, tuning=paged))
     from attnplug_cuda.cpp_ext import cpp_ext_status, kv_store
 
     ok, reason = cpp_ext_status()

@@ -1,8 +1,12 @@
-"""Every ``ATTNPLUG_*`` environment variable: its name, meaning, default and parsing.
+"""The ``ATTNPLUG_*`` environment variables: their names, meanings, defaults and parsing.
 
-Nothing else in attnplug or its plugins reads an ``ATTNPLUG_*`` variable directly; they call
-the reader named in the table. Each reader looks at the environment at every call (so tests
-and engines may change a variable between calls) and costs one dictionary lookup.
+The variables every part of attnplug honours are declared here (the table); a plugin declares
+its own in its ``env`` module with ``declare`` and the parsers below (the cuda plugin:
+``attnplug_cuda.env``), so ``FLAGS`` lists every variable of the plugins loaded and
+``flags_set()`` (what ``attnplug info`` and a benchmark report show) sees them all. Nothing
+reads an ``ATTNPLUG_*`` variable except through a declared flag's reader. Each reader looks at
+the environment at every call (so tests and engines may change a variable between calls) and
+costs one dictionary lookup.
 
 =========================  ==============================  =====================================
 variable                   reader                          meaning (default)
@@ -19,18 +23,6 @@ variable                   reader                          meaning (default)
                                                            device tensors (a host sync) (off)
 ``ATTNPLUG_DISABLE_PDL``   ``pdl_disabled()``              launch without Programmatic Dependent
                                                            Launch, in every plugin (off)
-``ATTNPLUG_KV_STORE``      ``kv_store_kernel()``           ``triton`` or ``cpp``: the KV store
-                                                           kernel of a plugin that ships both
-                                                           (triton)
-``ATTNPLUG_ONE_LAUNCH``    ``one_launch_kernel()``         ``triton`` or ``cpp``: the one-launch
-                                                           small-step kernel of a plugin that
-                                                           ships both (triton)
-``ATTNPLUG_DISABLE_CPP``   ``cpp_disabled()``              never build or load a plugin's C++
-                                                           extension (off)
-``ATTNPLUG_CPP_VERBOSE``   ``cpp_verbose()``               show the C++ extension's build (off)
-``ATTNPLUG_CACHE_DIR``     ``cache_dir()``                 build cache root
-                                                           (``$XDG_CACHE_HOME/attnplug``, else
-                                                           ``~/.cache/attnplug``)
 =========================  ==============================  =====================================
 
 Parsing: surrounding blanks are ignored and an empty value means unset. A switch accepts
@@ -45,7 +37,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 __all__ = [
@@ -57,33 +48,20 @@ __all__ = [
     "PROBE_TIMEOUT",
     "VALIDATE",
     "DISABLE_PDL",
-    "KV_STORE",
-    "ONE_LAUNCH",
-    "DISABLE_CPP",
-    "CPP_VERBOSE",
-    "CACHE_DIR",
     "DEFAULT_PROBE_TIMEOUT",
-    "KV_STORE_KERNELS",
-    "ONE_LAUNCH_KERNELS",
+    "declare",
+    "switch",
+    "choice",
     "backend_name",
     "plugin_allow_list",
     "probe_timeout",
     "validation_enabled",
     "pdl_disabled",
-    "kv_store_kernel",
-    "one_launch_kernel",
-    "cpp_disabled",
-    "cpp_verbose",
-    "cache_dir",
     "flags_set",
 ]
 
 #: seconds; generous because a probe may import a vendor runtime, which can take a few seconds
 DEFAULT_PROBE_TIMEOUT = 5.0
-#: the values ``ATTNPLUG_KV_STORE`` accepts, the default first
-KV_STORE_KERNELS = ("triton", "cpp")
-#: the values ``ATTNPLUG_ONE_LAUNCH`` accepts, the default first
-ONE_LAUNCH_KERNELS = ("triton", "cpp")
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -127,37 +105,27 @@ PROBE_TIMEOUT = EnvFlag(
 )
 VALIDATE = EnvFlag("ATTNPLUG_VALIDATE", "also run the batch checks that read device tensors (a host sync)", "off")
 DISABLE_PDL = EnvFlag("ATTNPLUG_DISABLE_PDL", "launch kernels without Programmatic Dependent Launch", "off")
-KV_STORE = EnvFlag(
-    "ATTNPLUG_KV_STORE", "the KV store kernel of plugins that ship two: 'triton' or 'cpp'", KV_STORE_KERNELS[0]
-)
-ONE_LAUNCH = EnvFlag(
-    "ATTNPLUG_ONE_LAUNCH",
-    "the one-launch small-step kernel of plugins that ship two: 'triton' or 'cpp'",
-    ONE_LAUNCH_KERNELS[0],
-)
-DISABLE_CPP = EnvFlag("ATTNPLUG_DISABLE_CPP", "never build or load a plugin's C++ extension", "off")
-CPP_VERBOSE = EnvFlag("ATTNPLUG_CPP_VERBOSE", "print the C++ extension's build log", "off")
-CACHE_DIR = EnvFlag("ATTNPLUG_CACHE_DIR", "root of the build cache", "$XDG_CACHE_HOME/attnplug, else ~/.cache/attnplug")
 
-#: every variable, by name, in the order of the module docstring's table
-FLAGS: Dict[str, EnvFlag] = {
-    flag.name: flag
-    for flag in (
-        BACKEND,
-        PLUGINS,
-        PROBE_TIMEOUT,
-        VALIDATE,
-        DISABLE_PDL,
-        KV_STORE,
-        ONE_LAUNCH,
-        DISABLE_CPP,
-        CPP_VERBOSE,
-        CACHE_DIR,
-    )
-}
+#: every declared variable, by name: this module's, then each loaded plugin's (``declare``)
+FLAGS: Dict[str, EnvFlag] = {}
 
 
-def _switch(flag: EnvFlag) -> bool:
+def declare(*flags: EnvFlag) -> Tuple[EnvFlag, ...]:
+    """Add ``flags`` to ``FLAGS`` (a plugin's ``env`` module declares its variables so);
+    returns them. Declaring a name twice with another meaning raises ``ValueError``."""
+    for flag in flags:
+        known = FLAGS.get(flag.name)
+        if known is not None and known != flag:
+            raise ValueError(f"{flag.name} is declared twice: {known} and {flag}")
+        FLAGS[flag.name] = flag
+    return flags
+
+
+declare(BACKEND, PLUGINS, PROBE_TIMEOUT, VALIDATE, DISABLE_PDL)
+
+
+def switch(flag: EnvFlag) -> bool:
+    """A switch (module docstring), False when unset; anything else raises ``EnvError``."""
     raw = flag.raw()
     if raw is None:
         return False
@@ -167,6 +135,16 @@ def _switch(flag: EnvFlag) -> bool:
     if value in _OFF:
         return False
     raise flag.error(raw, "a switch: " + ", ".join(_ON) + " or " + ", ".join(_OFF))
+
+
+def choice(flag: EnvFlag, values: Tuple[str, ...]) -> str:
+    """One of ``values`` (any case), the first when unset; anything else raises ``EnvError``."""
+    raw = flag.raw()
+    if raw is None:
+        return values[0]
+    if raw.lower() not in values:
+        raise flag.error(raw, " or ".join(repr(v) for v in values))
+    return raw.lower()
 
 
 def backend_name() -> Optional[str]:
@@ -205,55 +183,15 @@ def probe_timeout() -> Optional[float]:
 
 def validation_enabled() -> bool:
     """``ATTNPLUG_VALIDATE``: True when switched on."""
-    return _switch(VALIDATE)
+    return switch(VALIDATE)
 
 
 def pdl_disabled() -> bool:
     """``ATTNPLUG_DISABLE_PDL``: True when the user turned PDL off; every plugin honours it."""
-    return _switch(DISABLE_PDL)
-
-
-def kv_store_kernel() -> str:
-    """``ATTNPLUG_KV_STORE``: one of ``KV_STORE_KERNELS`` (any case), default ``triton``."""
-    raw = KV_STORE.raw()
-    if raw is None:
-        return KV_STORE_KERNELS[0]
-    if raw.lower() not in KV_STORE_KERNELS:
-        raise KV_STORE.error(raw, " or ".join(repr(k) for k in KV_STORE_KERNELS))
-    return raw.lower()
-
-
-def one_launch_kernel() -> str:
-    """``ATTNPLUG_ONE_LAUNCH``: one of ``ONE_LAUNCH_KERNELS`` (any case), default ``triton``."""
-    raw = ONE_LAUNCH.raw()
-    if raw is None:
-        return ONE_LAUNCH_KERNELS[0]
-    if raw.lower() not in ONE_LAUNCH_KERNELS:
-        raise ONE_LAUNCH.error(raw, " or ".join(repr(k) for k in ONE_LAUNCH_KERNELS))
-    return raw.lower()
-
-
-def cpp_disabled() -> bool:
-    """``ATTNPLUG_DISABLE_CPP``: True when C++ extensions must not be built or loaded."""
-    return _switch(DISABLE_CPP)
-
-
-def cpp_verbose() -> bool:
-    """``ATTNPLUG_CPP_VERBOSE``: True to print the C++ build."""
-    return _switch(CPP_VERBOSE)
-
-
-def cache_dir() -> Path:
-    """``ATTNPLUG_CACHE_DIR`` (``~`` expanded), else ``$XDG_CACHE_HOME/attnplug``, else
-    ``~/.cache/attnplug``. The directory is not created here."""
-    raw = CACHE_DIR.raw()
-    if raw is not None:
-        return Path(raw).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "attnplug"
+    return switch(DISABLE_PDL)
 
 
 def flags_set() -> Dict[str, str]:
-    """The ``ATTNPLUG_*`` variables of ``FLAGS`` that are set (non-empty), as given: what a
-    report records about the run's environment."""
+    """The declared ``ATTNPLUG_*`` variables (``FLAGS``) that are set (non-empty), as given:
+    what a report records about the run's environment."""
     return {name: os.environ[name] for name in FLAGS if FLAGS[name].raw() is not None}

@@ -1,5 +1,6 @@
-"""``attnplug.env``: every ``ATTNPLUG_*`` variable parsed in one place, errors naming the variable;
-no other module reads one, and every one is documented."""
+"""``attnplug.env``: every ``ATTNPLUG_*`` variable parsed through a declared flag, errors naming
+the variable; no module but an ``env`` module reads one, and every one is declared (core's, or a
+plugin's: ``attnplug_cuda.env``) and documented."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import tokenize
 import pytest
 
 from attnplug import env
+from attnplug_cuda import env as cuda_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CODE_TREES = ("core", "plugins", "conformance", "benchmarks", "examples")
@@ -29,11 +31,11 @@ def test_defaults_when_unset(monkeypatch, tmp_path):
     assert env.plugin_allow_list() is None
     assert env.probe_timeout() == env.DEFAULT_PROBE_TIMEOUT == 5.0
     assert env.validation_enabled() is False and env.pdl_disabled() is False
-    assert env.cpp_disabled() is False and env.cpp_verbose() is False
-    assert env.kv_store_kernel() == "triton"
-    assert env.cache_dir() == tmp_path / "attnplug"
+    assert cuda_env.cpp_disabled() is False and cuda_env.cpp_verbose() is False
+    assert cuda_env.kv_store_kernel() == "triton"
+    assert cuda_env.cache_dir() == tmp_path / "attnplug"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert env.cache_dir() == pathlib.Path.home() / ".cache" / "attnplug"
+    assert cuda_env.cache_dir() == pathlib.Path.home() / ".cache" / "attnplug"
     assert env.flags_set() == {}
 
 
@@ -41,17 +43,25 @@ def test_blank_means_unset(monkeypatch):
     for name in env.FLAGS:
         monkeypatch.setenv(name, "  ")
     assert env.backend_name() is None and env.plugin_allow_list() is None
-    assert env.probe_timeout() == env.DEFAULT_PROBE_TIMEOUT and env.kv_store_kernel() == "triton"
-    assert not (env.validation_enabled() or env.pdl_disabled() or env.cpp_disabled() or env.cpp_verbose())
+    assert env.probe_timeout() == env.DEFAULT_PROBE_TIMEOUT and cuda_env.kv_store_kernel() == "triton"
+    assert not (env.validation_enabled() or env.pdl_disabled() or cuda_env.cpp_disabled() or cuda_env.cpp_verbose())
     assert env.flags_set() == {}
+
+
+def test_a_plugin_declares_its_variables_into_flags():
+    for flag in (cuda_env.KV_STORE, cuda_env.DISABLE_CPP, cuda_env.CPP_VERBOSE, cuda_env.CACHE_DIR):
+        assert env.FLAGS[flag.name] is flag
+    assert env.declare(cuda_env.KV_STORE) == (cuda_env.KV_STORE,)  # the same flag again: nothing changes
+    with pytest.raises(ValueError, match="ATTNPLUG_KV_STORE is declared twice"):
+        env.declare(env.EnvFlag("ATTNPLUG_KV_STORE", "something else", "x"))
 
 
 # ---------------------------------------------------------------------------- values
 SWITCHES = [
     (env.VALIDATE, env.validation_enabled),
     (env.DISABLE_PDL, env.pdl_disabled),
-    (env.DISABLE_CPP, env.cpp_disabled),
-    (env.CPP_VERBOSE, env.cpp_verbose),
+    (cuda_env.DISABLE_CPP, cuda_env.cpp_disabled),
+    (cuda_env.CPP_VERBOSE, cuda_env.cpp_verbose),
 ]
 
 
@@ -84,14 +94,14 @@ def test_names(monkeypatch, tmp_path):
     with pytest.raises(env.EnvError, match=r"^ATTNPLUG_PLUGINS=', ,': expected comma-separated plugin names"):
         env.plugin_allow_list()
     monkeypatch.setenv("ATTNPLUG_KV_STORE", "CPP")
-    assert env.kv_store_kernel() == "cpp"
+    assert cuda_env.kv_store_kernel() == "cpp"
     monkeypatch.setenv("ATTNPLUG_KV_STORE", "cutlass")
     with pytest.raises(env.EnvError, match=r"^ATTNPLUG_KV_STORE='cutlass': expected 'triton' or 'cpp'"):
-        env.kv_store_kernel()
+        cuda_env.kv_store_kernel()
     monkeypatch.setenv("ATTNPLUG_CACHE_DIR", str(tmp_path / "c"))
-    assert env.cache_dir() == tmp_path / "c"
+    assert cuda_env.cache_dir() == tmp_path / "c"
     monkeypatch.setenv("ATTNPLUG_CACHE_DIR", "~/x")
-    assert env.cache_dir() == pathlib.Path.home() / "x"
+    assert cuda_env.cache_dir() == pathlib.Path.home() / "x"
 
 
 def test_probe_timeout(monkeypatch):
@@ -143,13 +153,14 @@ NAME = re.compile(r"ATTNPLUG_[A-Z0-9_]+")
 
 def test_no_module_but_env_reads_an_attnplug_variable():
     offenders = []
+    env_modules = {ROOT / "core" / "attnplug" / "env.py", ROOT / "plugins" / "cuda" / "attnplug_cuda" / "env.py"}
     for path in _sources():
-        if path == ROOT / "core" / "attnplug" / "env.py":
+        if path in env_modules:
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if READ.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not offenders, "read ATTNPLUG_* variables through attnplug.env:\n" + "\n".join(offenders)
+    assert not offenders, "read ATTNPLUG_* variables through a declared flag:\n" + "\n".join(offenders)
 
 
 def test_every_variable_named_in_code_or_docs_is_declared_and_documented():
@@ -163,8 +174,8 @@ def test_every_variable_named_in_code_or_docs_is_declared_and_documented():
     assert not unknown, "not declared in attnplug.env.FLAGS:\n" + "\n".join(unknown)
     readme = (ROOT / "README.md").read_text()
     assert [n for n in known if n not in readme] == [], "README.md documents every variable"
-    table = env.__doc__
-    assert [n for n in known if f"``{n}``" not in table] == [], "attnplug.env's table lists every variable"
+    tables = env.__doc__ + cuda_env.__doc__
+    assert [n for n in known if f"``{n}``" not in tables] == [], "the declaring env module's table lists every variable"
 
 
 def test_detector_finds_a_direct_read():

@@ -1,5 +1,5 @@
 """A copy kernel launched on 16-byte aligned and on misaligned bf16 rows, recorded and compiled
-for sm_90 through ``attnplug_cuda.bench.offline_compile``; prints, per launch, the 16-byte
+for sm_90 through ``offline_compile``; prints, per launch, the 16-byte
 global loads of its SASS and its resources. Run without ``TRITON_INTERPRET``."""
 
 import json
@@ -13,8 +13,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-from attnplug_cuda.bench.offline_compile import _cuobjdump, compile_launch, record_launches, resources  # noqa: E402
+from offline_compile import _cuobjdump, compile_launch, record_launches, resources  # noqa: E402
 
 
 @triton.jit

@@ -1,5 +1,4 @@
-"""One step through a one-launch kernel (``store_attend`` or ``staged_attend``, one calling
-convention) against float64: the cases both kernels' tests run.
+"""One step through ``store_attend`` (the one-launch kernel) against float64.
 
 ``run_case`` builds per-request K/V histories in a paged cache (slots shuffled, every other
 slot NaN so a stray read shows), writes the step's own K/V only through the kernel's store
@@ -8,11 +7,15 @@ slot NaN so a stray read shows), writes the step's own K/V only through the kern
 checks that the launch left the tickets at zero (so graph replays can repeat it).
 """
 
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
 from attnplug.soak.oracle import exact_attention
+from attnplug_cuda.kernels.common import KeyTable, num_sms
+from attnplug_cuda.kernels.store_attend import store_attend
+from attnplug_cuda.planner import plan_one_launch
+from attnplug_cuda.tuning import CudaTuning
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
 
@@ -36,17 +39,13 @@ def run_case(
     max_kv_len: Optional[int] = None,
     keep: Optional[dict] = None,
     config: Optional[dict] = None,
-    attend: Callable,
-    plan: Callable,
-    split_key: str,
     device: torch.device,
-    pdl: bool,
-    prologue: bool = False,
+    pdl=None,
 ):
-    """Run one step through ``attend`` (``store_attend``'s signature); returns (out, expected,
-    k_cache, v_cache, loc, k, v, tickets). ``max_kv_len``: the host bound (default: the table's
-    width); ``keep``: gets the ``workspace`` and the ``plan`` (``plan(**shape)``) used;
-    ``config``: plan keys to override, ``splits`` as the plan's ``split_key``."""
+    """Run one step through ``store_attend``; returns (out, expected, k_cache, v_cache, loc, k,
+    v, tickets). ``max_kv_len``: the host bound (default: the table's width); ``keep``: gets
+    the ``workspace`` and the ``plan`` used; ``config``: plan fields to override, ``splits``
+    the plan's ``NUM_SPLITS``; ``pdl``: the launch's PDL schedule."""
     g = torch.Generator().manual_seed(seed)
     bs = len(seq_lens)
     S = 2 * sum(seq_lens) + 8
@@ -98,18 +97,26 @@ def run_case(
     tickets = torch.zeros(64, dtype=torch.int32, device=device)
     workspace = torch.empty(4 * 132 * 16 * (D + 2) * 4, dtype=torch.float32, device=device)
     bound = tab.shape[1] if max_kv_len is None else max_kv_len
+    tuning = CudaTuning()
+    plan = plan_one_launch(
+        num_reqs=bs + padded,
+        num_kv_heads=Hkv,
+        group=H // Hkv,
+        head_dim=D,
+        max_q_len=q_len,
+        max_kv_len=bound,
+        window=window,
+        num_sms=num_sms(torch.device(device)),
+        tuning=tuning,
+    )
+    if splits:
+        chunk = max(1, min(splits, tuning.merge_rows // plan.ROWS))  # as the planner takes it
+        plan = plan._replace(NUM_SPLITS=splits, MERGE_CHUNK=chunk)
+    plan = plan._replace(**(config or {}))
     if keep is not None:
         keep["workspace"] = workspace
-        keep["plan"] = plan(
-            num_reqs=bs + padded,
-            num_kv_heads=Hkv,
-            group=H // Hkv,
-            head_dim=D,
-            max_q_len=q_len,
-            max_kv_len=bound,
-            window=window,
-        )
-    out = attend(
+        keep["plan"] = plan
+    out = store_attend(
         to(q),
         to(k),
         to(v),
@@ -119,11 +126,9 @@ def run_case(
         torch.empty(T, H, D, dtype=dtype, device=device),
         cu_q_lens=torch.arange(0, T + 1, q_len, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_all, dtype=torch.int32, device=device),
-        table=to(tab),
-        table_rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        table_start=to(window_start),
+        keys=KeyTable.of(to(tab), torch.tensor(rows, dtype=torch.int64, device=device), to(window_start)),
         max_q_len=q_len,
-        max_kv_len=bound,
+        plan=plan,
         sm_scale=0.3,
         window=window,
         workspace=workspace,
@@ -131,8 +136,6 @@ def run_case(
         softcap=softcap,
         sinks=to(sinks),
         pdl=pdl,
-        prologue=prologue,
-        config=dict(config or {}, **({split_key: splits} if splits else {})) or None,
     )
     real_T = bs * q_len
     expected = exact_attention(

@@ -1,5 +1,5 @@
 """``paged_attention``'s decode launch with the PDL prologue, recorded on CPU tensors and
-compiled for sm_90 through ``attnplug_cuda.bench.offline_compile`` at several ``PREFETCH``
+compiled for sm_90 through ``offline_compile`` at several ``PREFETCH``
 depths (and the plan's own); prints, per depth, the ``prefetch.global.L2`` instructions of
 its PTX, how many of them come before ``griddepcontrol.wait``, and its registers. Run without
 ``TRITON_INTERPRET``."""
@@ -10,9 +10,13 @@ import os
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
+from offline_compile import compile_launch, record_launches, resources  # noqa: E402
 
-from attnplug_cuda.bench.offline_compile import compile_launch, record_launches, resources  # noqa: E402
+from attnplug_cuda.kernels.common import KeyTable, NewRows  # noqa: E402
 from attnplug_cuda.kernels.paged_attention import paged_attention  # noqa: E402
+from attnplug_cuda.kernels.pdl import PROLOGUE  # noqa: E402
+from attnplug_cuda.planner import plan_paged  # noqa: E402
+from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
 
 def _launch(config):
@@ -21,13 +25,17 @@ def _launch(config):
     q = torch.zeros(bs, hkv * g, d, dtype=torch.bfloat16)
     cache = torch.zeros(slots, hkv, d, dtype=torch.bfloat16)
     new = torch.zeros(bs, hkv, d, dtype=torch.bfloat16)
+    plan = plan_paged(
+        num_reqs=bs, num_tokens=bs, num_kv_heads=hkv, group=g, head_dim=d, max_q_len=1, max_kv_len=300,
+        window=width, num_sms=132, tuning=CudaTuning(),
+    )  # fmt: skip
     with record_launches() as launches:
         paged_attention(
             q, cache, cache, torch.empty_like(q), cu_q_lens=torch.arange(bs + 1, **i32),
-            seq_lens=torch.full((bs,), 300, **i32), table=torch.ones(bs, width, **i32),
-            table_rows=torch.arange(bs, **i32), table_start=torch.zeros(bs, **i32), max_q_len=1,
-            max_kv_len=300, window=width, pdl=True, prologue=True, release_early=True, config=config,
-            k=new, v=new, loc=torch.arange(1, bs + 1, **i32),
+            seq_lens=torch.full((bs,), 300, **i32),
+            keys=KeyTable.of(torch.ones(bs, width, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32)),
+            max_q_len=1, plan=plan._replace(**(config or {})), window=width, pdl=PROLOGUE,
+            new=NewRows.of(new, new, torch.arange(1, bs + 1, **i32)),
         )  # fmt: skip
     (launch,) = launches
     return launch
@@ -42,7 +50,7 @@ def main() -> int:
         wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
         prefetches = [i for i, line in enumerate(ptx) if "prefetch.global.L2" in line]
         result[label] = dict(
-            depth=dict(launch.kwargs).get("PREFETCH"),
+            depth=launch.kwargs["PLAN"].PREFETCH,
             prefetches=len(prefetches),
             before_wait=sum(i < wait for i in prefetches),
             registers=resources(compiled)["registers"],

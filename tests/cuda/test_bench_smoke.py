@@ -1,7 +1,7 @@
 """Smoke tests of the CUDA plugin's benchmark suite on a machine without a GPU.
 
-* every bench module (and ``benchmarks/run_h200.py``) imports on the CPU, and the suite is
-  what ``attnplug bench --backend cuda`` finds;
+* every bench module imports on the CPU, and the suite is what ``attnplug bench --backend
+  cuda`` (and ``python -m attnplug_cuda.bench``) finds;
 * the "before" baseline (``BeforeBackend``) computes the same attention as the reference
   backend, eagerly through the harness and through the graph runner, under the Triton
   interpreter: the benchmarks compare two implementations of ONE function;
@@ -27,7 +27,6 @@ pytest.importorskip("triton")
 from attnplug import ForwardMode  # noqa: E402
 from attnplug.backends.reference import ReferenceBackend  # noqa: E402
 from attnplug_conformance.harness import World, WorldSpec  # noqa: E402
-from scripts import load_script  # noqa: E402
 
 BENCH_MODULES = [
     "__init__",
@@ -56,7 +55,7 @@ SPEC = WorldSpec(
 
 
 def _load_cli():
-    return load_script("run_h200")
+    return importlib.import_module("attnplug_cuda.bench.__main__")
 
 
 def test_bench_modules_import_on_cpu():

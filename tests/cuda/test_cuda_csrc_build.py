@@ -1,5 +1,4 @@
-"""The CUDA C++ kernels (plugins/cuda/attnplug_cuda/csrc: the KV store, the staged one-launch
-attention) and their build module.
+"""The CUDA C++ kernel (plugins/cuda/attnplug_cuda/csrc: the KV store) and its build module.
 
 Without a GPU (CI): each kernel compiles with a bare ``nvcc -arch=sm_90 -c``, carries sm_90
 machine code, orders its PDL calls around its memory accesses, contains no inline
@@ -29,8 +28,6 @@ from attnplug_cuda.cpp_ext import (
     CSRC_DIR,
     KERNEL_SOURCES,
     KV_STORE_CU,
-    RESIDENT_ATTEND_CU,
-    STAGED_ATTEND_CU,
     CppExtensionUnavailable,
     cpp_ext_status,
     ext_build_dir,
@@ -121,38 +118,6 @@ def test_pdl_wait_precedes_loads_and_trigger_follows_stores(tmp_path):
 
 
 @needs_nvcc
-@pytest.mark.parametrize(
-    "source,key_load",
-    [(STAGED_ATTEND_CU, "cp.async.cg.shared.global"), (RESIDENT_ATTEND_CU, "ld.global.cg.v4")],
-    ids=["staged_attend", "resident_attend"],
-)
-def test_one_launch_kernels_load_keys_before_the_pdl_wait_and_write_only_after_it(tmp_path, source, key_load):
-    # the prologue issues the cached rows' 16-byte loads (staged: copies into shared memory;
-    # resident: loads into registers, L2 only) before the wait; every global store (the KV
-    # store, the output, the split partials) and atomic (the ticket) comes after it, and the
-    # dependents are released. Two waits per kernel: at entry without the prologue, after the
-    # prologue's loads with it. The 64-bit stores are the optional phase stamps (%globaltimer
-    # into the caller's trace buffer, which no kernel of a PDL chain reads); every other store
-    # is 8 to 128 bits wide but never 64-bit scalar
-    entries = _entries(_ptx(tmp_path, "sm_90", source))
-    assert len(entries) == 4, sorted(entries)  # fp16 / bf16 x head dim 64 / 128
-    for name, lines in entries.items():
-        stripped = [line.strip() for line in lines]
-        waits = [i for i, x in enumerate(stripped) if x.startswith("griddepcontrol.wait")]
-        writes = [
-            i
-            for i, x in enumerate(stripped)
-            if x.startswith(("st.global", "atom.global", "red.global")) and not x.startswith("st.global.u64")
-        ]
-        key_loads = [i for i, x in enumerate(stripped) if x.startswith(key_load)]
-        assert len(waits) == 2, name
-        assert any(x.startswith("griddepcontrol.launch_dependents") for x in stripped), name
-        assert writes and min(writes) > max(waits), f"{name}: a global write precedes the PDL wait"
-        assert key_loads and min(key_loads) < max(waits), f"{name}: no key is loaded before the wait"
-        assert any(x.startswith("mma.sync.aligned.m16n8k16") for x in stripped), name
-
-
-@needs_nvcc
 @pytest.mark.parametrize("source", KERNEL_SOURCES, ids=lambda p: p.stem)
 def test_pre_hopper_build_has_no_pdl_instructions(tmp_path, source):
     assert "griddepcontrol" not in _ptx(tmp_path, "sm_80", source)
@@ -173,7 +138,7 @@ def test_sources_have_no_griddepcontrol_asm():
 
 
 def test_kernel_source_includes_no_torch_header():
-    for path in (*KERNEL_SOURCES, CSRC_DIR / "kv_store.h", CSRC_DIR / "staged_attend.h"):
+    for path in (*KERNEL_SOURCES, CSRC_DIR / "kv_store.h"):
         includes = re.findall(r"^\s*#\s*include\s*[<\"]([^>\"]+)", path.read_text(), flags=re.M)
         bad = [inc for inc in includes if inc.split("/")[0] in {"torch", "ATen", "c10"}]
         assert not bad, f"{path.name} includes {bad}"

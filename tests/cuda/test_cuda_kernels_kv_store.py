@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from attnplug_cuda.kernels import load_kernels, pdl_supported  # noqa: E402
+from attnplug_cuda.kernels import pdl_supported  # noqa: E402
 from attnplug_cuda.kernels.interpret import use_interpreter  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PDL_MODES = [False, True] if pdl_supported(DEVICE)[0] else [False]
-K = load_kernels()
+from attnplug_cuda.kernels import kv_store as K  # noqa: E402
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,207 +1,32 @@
-"""paged_attention against a float64 dense masked softmax, for every mode.
-
-Each case builds per-request K/V histories, scatters them into a full cache (through
-``req_to_token``) and into an SWA cache (through ``full_to_swa_index_mapping``; positions
-the window can no longer reach hold NaN there, so reading one would show), builds the step's
-tables with ``step_metadata`` and runs the kernel as a full layer (``table=req_to_token``)
-or as an SWA layer (``table=swa_window_table``, ``table_start=window_start``).
+"""paged_attention against a float64 dense masked softmax, for every mode (the machinery:
+``paged_cases``): decode, extends with prefixes, verify, splits and the combine, the unmasked
+interior blocks, table entries that are no keys, soft-capping and sinks, and the planner's
+paged plans.
 """
 
 import math
-from typing import List, Optional
 
 import pytest
 import torch
 
-from attnplug_cuda.kernels import load_kernels, pdl_supported  # noqa: E402
-from attnplug_cuda.kernels.interpret import use_interpreter  # noqa: E402
+from attnplug_cuda.kernels.interpret import use_interpreter
 
 if not torch.cuda.is_available():
     use_interpreter()  # before triton is imported (tests/conftest.py also arranges this)
 pytest.importorskip("triton")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PDL_MODES = [False, True] if pdl_supported(DEVICE)[0] else [False]
-K = load_kernels()
-from attnplug_cuda.kernels.paged_attention import plan_attention  # noqa: E402
 
-TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
-PAD = -1  # a seq_len entry of PAD marks a padded request: seq_len 1, req row 0
+from paged_cases import DEVICE, PAD, PDL, TOL, attend, run_case  # noqa: E402
 
+from attnplug_cuda.kernels.pdl import PLAIN, PROLOGUE  # noqa: E402
+from attnplug_cuda.planner import paged_workspace_numel, plan_paged  # noqa: E402
+from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
-def reference(q, hist_k, hist_v, q_lens, seq_lens, window, sm_scale, softcap=None, sinks=None):
-    """float64 dense masked softmax; a query with no valid key gives zeros. ``softcap``:
-    logits ``c * tanh(s / c)``; ``sinks`` ([H]): one more logit per head, in the denominator only."""
-    T, H, D = q.shape
-    out = torch.zeros(T, H, D, dtype=torch.float64)
-    qd = q.cpu().double()
-    t = 0
-    for kh, vh, n, s in zip(hist_k, hist_v, q_lens, seq_lens):
-        hkv = kh.shape[1]
-        kk = kh.double().repeat_interleave(H // hkv, dim=1)
-        vv = vh.double().repeat_interleave(H // hkv, dim=1)
-        for i in range(n):
-            p = s - n + i
-            lo = 0 if window is None else max(0, p - window + 1)
-            if p >= 0:
-                logits = torch.einsum("hd,jhd->hj", qd[t], kk[lo : p + 1]) * sm_scale
-                if softcap is not None:
-                    logits = softcap * torch.tanh(logits / softcap)
-                if sinks is not None:
-                    probs = torch.softmax(torch.cat([logits, sinks.double()[:, None]], -1), -1)[:, :-1]
-                else:
-                    probs = torch.softmax(logits, -1)
-                out[t] = torch.einsum("hj,jhd->hd", probs, vv[lo : p + 1])
-            t += 1
-    return out
+PDL_MODES = [None, PLAIN] if PDL else [None]
 
 
-def run_case(
-    q_lens: List[int],
-    seq_lens: List[int],
-    *,
-    H: int,
-    Hkv: int,
-    D: int,
-    dtype=torch.float16,
-    window: Optional[int] = None,
-    layer: str = "full",
-    config: Optional[dict] = None,
-    pdl: bool = False,
-    seed: int = 0,
-    check: bool = True,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    store: bool = False,
-    bad_locs: Optional[List[int]] = None,
-    **kernel_kw,
-):
-    """One paged_attention call against float64. ``store``: the new tokens' cache rows hold
-    NaN before the call and the kernel stores them itself (``k``, ``v``, ``loc``); the cache
-    after the call must equal the cache with the rows written, nothing else changed.
-    ``bad_locs``: slot values for the first ``len(bad_locs)`` new tokens of the last request
-    (garbage the kernel must skip; their keys stay out of the reference too)."""
-    g = torch.Generator().manual_seed(seed)
-    bs = len(q_lens)
-    padded = [s == PAD for s in seq_lens]
-    seq = [1 if p else s for p, s in zip(padded, seq_lens)]
-    size = sum(s for s, p in zip(seq, padded) if not p) + 8
-    max_ctx = max(seq) + 3
-    # full pool: slot 0 is the sink (zeros: padded tokens' junk is finite)
-    k_full = torch.zeros(size, Hkv, D, dtype=dtype)
-    v_full = torch.zeros(size, Hkv, D, dtype=dtype)
-    k_swa = torch.full((size, Hkv, D), float("nan"), dtype=dtype)
-    v_swa = torch.full((size, Hkv, D), float("nan"), dtype=dtype)
-    k_swa[0] = 0
-    v_swa[0] = 0
-    mapping = torch.zeros(size + 2, dtype=torch.int32)
-    mapping[1:size] = (torch.randperm(size - 1, generator=g) + 1).int()
-    mapping[-1] = -1
-    req_to_token = torch.zeros(bs + 2, max_ctx, dtype=torch.int32)
-    rows = (torch.randperm(bs + 1, generator=g)[:bs] + 1).tolist()  # shuffled, never row 0
-    free = (torch.randperm(size - 1, generator=g) + 1).tolist()
-    hist_k, hist_v, locs = [], [], []
-    for b in range(bs):
-        s, n = seq[b], q_lens[b]
-        if padded[b]:
-            rows[b] = 0
-            hist_k.append(torch.zeros(1, Hkv, D, dtype=dtype))
-            hist_v.append(torch.zeros(1, Hkv, D, dtype=dtype))
-            locs.append(torch.zeros(n, dtype=torch.int64))
-            continue
-        slots = torch.tensor([free.pop() for _ in range(s)])
-        req_to_token[rows[b], :s] = slots.int()
-        kh = torch.randn(s, Hkv, D, generator=g).to(dtype)
-        vh = torch.randn(s, Hkv, D, generator=g).to(dtype)
-        hist_k.append(kh)
-        hist_v.append(vh)
-        k_full[slots], v_full[slots] = kh, vh
-        reach = 0 if window is None else max(0, s - n - window + 1)  # first position any query sees
-        swa_slots = mapping[slots].long()
-        k_swa[swa_slots[reach:]], v_swa[swa_slots[reach:]] = kh[reach:], vh[reach:]
-        locs.append(slots[s - n :])
-    T = sum(q_lens)
-    q = torch.randn(T, H, D, generator=g).to(dtype)
-    cache_k, cache_v = (k_full, v_full) if layer == "full" else (k_swa, v_swa)
-    store_args = {}
-    if store:
-        # the rows the step stores, and its slots in the layer's pool (SWA: translated)
-        def step_rows(hist):  # the last n rows of each history (zeros for a padded request)
-            return torch.cat(
-                [h.new_zeros(n, Hkv, D) if p else h[h.shape[0] - n :] for h, n, p in zip(hist, q_lens, padded)]
-            )
-
-        k_new, v_new = step_rows(hist_k), step_rows(hist_v)
-        loc = torch.cat(locs)
-        if layer != "full":
-            loc = torch.where(loc > 0, mapping[loc].long(), loc).int()
-        want_k, want_v = cache_k.clone(), cache_v.clone()
-        live = loc > 0
-        cache_k[loc[live].long()] = float("nan")  # read back unstored, they would show
-        cache_v[loc[live].long()] = float("nan")
-        first = T - q_lens[-1]
-        for i, bad in enumerate(bad_locs or []):
-            slot = loc[first + i].long()
-            want_k[slot] = want_v[slot] = float("nan")  # never stored: stays as set above
-            loc[first + i] = bad
-        store_args = dict(k=k_new.to(DEVICE), v=v_new.to(DEVICE), loc=loc.to(DEVICE))
-
-    to = lambda t: t.to(DEVICE)  # noqa: E731
-    rpi = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
-    seq_t = torch.tensor(seq, dtype=torch.int32, device=DEVICE)
-    max_q = max(q_lens)
-    width = max_q + (window - 1 if window is not None else max_ctx)
-    cu = torch.empty(bs + 1, dtype=torch.int32, device=DEVICE)
-    ws = torch.empty(bs, dtype=torch.int32, device=DEVICE)
-    table = torch.empty(bs, width, dtype=torch.int32, device=DEVICE)
-    K.step_metadata(
-        rpi,
-        seq_t,
-        torch.tensor(q_lens, device=DEVICE),
-        to(torch.cat(locs)),
-        cu_q_lens=cu,
-        window_start=ws,
-        token_pos=torch.empty(T, dtype=torch.int32, device=DEVICE),
-        full_to_swa_index_mapping=to(mapping),
-        swa_out_cache_loc=torch.empty(T, dtype=torch.int32, device=DEVICE),
-        req_to_token=to(req_to_token),
-        swa_window_table=table if window is not None else None,
-        window=window,
-    )
-    out = torch.full((T, H, D), float("nan"), dtype=dtype, device=DEVICE)
-    common = dict(cu_q_lens=cu, seq_lens=seq_t, max_q_len=max_q, window=window, config=config, pdl=pdl)
-    if softcap is not None:
-        common["softcap"] = softcap
-    if sinks is not None:
-        common["sinks"] = sinks.to(DEVICE)
-    common.update(store_args, **kernel_kw)
-    dev_k, dev_v = to(cache_k), to(cache_v)
-    if layer == "full":
-        K.paged_attention(
-            to(q), dev_k, dev_v, out, table=to(req_to_token), table_rows=rpi, max_kv_len=max_ctx, **common
-        )
-    else:
-        assert window is not None
-        K.paged_attention(
-            to(q),
-            dev_k,
-            dev_v,
-            out,
-            table=table,
-            table_rows=torch.arange(bs, dtype=torch.int32, device=DEVICE),
-            table_start=ws,
-            max_kv_len=max_ctx,
-            **common,
-        )
-    want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D), softcap, sinks)
-    if store:
-        torch.testing.assert_close(dev_k.cpu(), want_k, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(dev_v.cpu(), want_v, rtol=0, atol=0, equal_nan=True)
-    if check:
-        got = out.cpu().double()
-        assert torch.isfinite(got).all(), "non-finite output"
-        err = (got - want).norm() / want.norm().clamp_min(1e-30)
-        assert err <= TOL[dtype], f"relative error {err:.3e} > {TOL[dtype]:.0e}"
-    return out, want
+def plan_attention(**shape):
+    """The planner's paged plan (the default tuning)."""
+    return plan_paged(tuning=CudaTuning(), **shape)
 
 
 @pytest.mark.parametrize(
@@ -251,7 +76,7 @@ def test_long_extend_uses_large_tiles():
         window=None,
         num_sms=8,
     )
-    assert plan["BLOCK_M"] == 128
+    assert plan.BLOCK_M == 128
     run_case([40, 20], [60, 20], H=8, Hkv=2, D=64, layer="full", seed=3)
     run_case([40, 20], [60, 20], H=8, Hkv=2, D=64, window=24, layer="swa", seed=4)
 
@@ -259,7 +84,7 @@ def test_long_extend_uses_large_tiles():
 @pytest.mark.parametrize("layer,window", [("full", None), ("swa", 50)])
 def test_split_kv_and_combine(layer, window):
     """Forced flash-decoding splits, with empty splits for the short requests."""
-    cfg = {"num_splits": 3, "BLOCK_N": 16}
+    cfg = {"NUM_SPLITS": 3, "BLOCK_N": 16}
     run_case([1, 1, 2], [PAD, 80, 45], H=8, Hkv=2, D=64, window=window, layer=layer, config=cfg, seed=5)
 
 
@@ -275,7 +100,7 @@ def test_heuristic_splits_a_small_batch():
         window=None,
         num_sms=8,
     )
-    assert plan["num_splits"] == 3 and plan["BLOCK_M"] == 16
+    assert plan.NUM_SPLITS == 3 and plan.BLOCK_M == 16
     run_case([1], [600], H=4, Hkv=1, D=64, seed=6)
 
 
@@ -291,9 +116,9 @@ def test_head_dim_256():
 def test_pdl_matches_non_pdl():
     args = ([1, 4, 2], [50, 200, 9])
     kw = dict(H=8, Hkv=2, D=128, dtype=torch.bfloat16, window=64, layer="swa", seed=10, check=False)
-    for cfg in (None, {"num_splits": 4}):
-        a, _ = run_case(*args, pdl=False, config=cfg, **kw)
-        b, _ = run_case(*args, pdl=True, config=cfg, **kw)
+    for cfg in (None, {"NUM_SPLITS": 4}):
+        a, _ = run_case(*args, pdl=None, config=cfg, **kw)
+        b, _ = run_case(*args, pdl=PLAIN, config=cfg, **kw)
         assert torch.equal(a, b)
 
 
@@ -311,7 +136,7 @@ def test_plan_fills_an_h200_for_swa_decode():
         window=4096,
         num_sms=132,
     )
-    assert 64 * 8 * plan["num_splits"] >= 132
+    assert 64 * 8 * plan.NUM_SPLITS >= 132
     for bs in (1, 2, 7, 64, 300):
         for q_len in (1, 4):
             p = plan_attention(
@@ -325,9 +150,9 @@ def test_plan_fills_an_h200_for_swa_decode():
                 window=None,
                 num_sms=132,
             )
-            if p["num_splits"] > 1:
-                need = bs * q_len * 32 * p["num_splits"] * (128 + 2)
-                assert need <= K.workspace_numel(bs * q_len, 32, 128)
+            if p.NUM_SPLITS > 1:
+                need = bs * q_len * 32 * p.NUM_SPLITS * (128 + 2)
+                assert need <= paged_workspace_numel(bs * q_len, 32, 128, CudaTuning())
 
 
 @pytest.mark.parametrize(
@@ -348,7 +173,7 @@ def test_unmasked_interior_blocks(q_lens, seq_lens, window, splits):
     """The loop split into masked edge blocks and unmasked interior blocks (PHASES, the
     default for large tiles) is exact at every block edge; the other tests cover the single
     masked loop."""
-    cfg = {"PHASES": True, "BLOCK_N": 16, "num_splits": splits}
+    cfg = {"PHASES": True, "BLOCK_N": 16, "NUM_SPLITS": splits}
     layer = "full" if window is None else "swa"
     run_case(q_lens, seq_lens, H=4, Hkv=2, D=64, window=window, layer=layer, config=cfg, seed=11)
 
@@ -377,7 +202,7 @@ def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases, pref
     PDL prologue's L2 prefetch over every key block (its addresses stay inside the cache)."""
     if prefetch and len(PDL_MODES) < 2:
         pytest.skip("the prefetch runs with PDL: a GPU of compute capability >= 9.0")
-    pdl_kw = dict(pdl=True, prologue=True, config={"PHASES": phases, "PREFETCH": 16}) if prefetch else {}
+    pdl_kw = dict(pdl=PROLOGUE, config={"PHASES": phases, "PREFETCH": 16}) if prefetch else {}
     H, Hkv, D, S, seq = 4, 2, 64, 512, 200
     g = torch.Generator().manual_seed(3)
     k_cache = torch.full((S, Hkv, D), float("nan"), dtype=torch.float16)  # free slots: NaN
@@ -399,7 +224,7 @@ def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases, pref
     )
     to = lambda t: t.to(DEVICE)  # noqa: E731
     out = torch.full_like(to(q), float("nan"))
-    K.paged_attention(
+    attend(
         to(q),
         to(k_cache),
         to(v_cache),
@@ -407,7 +232,7 @@ def test_no_slot_entries_are_no_keys_whatever_the_sink_holds(q_len, phases, pref
         cu_q_lens=to(torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)),
         seq_lens=to(torch.tensor([seq, seq], dtype=torch.int32)),
         table=to(table),
-        table_rows=to(torch.tensor([1, -1], dtype=torch.int64)),  # -1: outside the table
+        rows=to(torch.tensor([1, -1], dtype=torch.int64)),  # -1: outside the table
         max_q_len=q_len,
         max_kv_len=256,
         **(pdl_kw or dict(config={"PHASES": phases})),
@@ -432,10 +257,10 @@ _FEATURE_CASES = {
     "decode-swa-sinks": ([1] * 4, [PAD, 9, 37, 70], 16, "swa", None, None, True),
     "extend-swa-softcap": ([5, 1, 12, 7], [5, 30, 40, 27], 8, "swa", None, 1.5, False),
     "interior-full-softcap": ([30, 9, 17, 5], [70, 41, 64, 37], None, "full", _INTERIOR, 2.0, False),
-    "interior-swa-split-both": ([30, 9, 17, 5], [70, 41, 64, 37], 17, "swa", {**_INTERIOR, "num_splits": 3}, 2.0, True),
+    "interior-swa-split-both": ([30, 9, 17, 5], [70, 41, 64, 37], 17, "swa", {**_INTERIOR, "NUM_SPLITS": 3}, 2.0, True),
     # KV splits: the sink joins the denominator once, in the combine kernel
-    "split-full-sinks": ([1, 1, 2], [PAD, 80, 45], None, "full", {"num_splits": 3, "BLOCK_N": 16}, None, True),
-    "split-swa-both": ([1, 1, 2], [PAD, 80, 45], 50, "swa", {"num_splits": 4, "BLOCK_N": 16}, 1.5, True),
+    "split-full-sinks": ([1, 1, 2], [PAD, 80, 45], None, "full", {"NUM_SPLITS": 3, "BLOCK_N": 16}, None, True),
+    "split-swa-both": ([1, 1, 2], [PAD, 80, 45], 50, "swa", {"NUM_SPLITS": 4, "BLOCK_N": 16}, 1.5, True),
 }
 
 
@@ -454,126 +279,3 @@ def test_softcap_and_sinks_match_float64(case):
     assert (got - base).norm() / want.norm() > 20 * TOL[torch.float16], "the feature changed nothing"
     no_key = want.norm(dim=-1) == 0  # the padded request's query: zeros, never NaN
     assert (got[no_key] == 0).all()
-
-
-STORE_CASES = [
-    # (q_lens, seq_lens, H, Hkv, D, dtype, layer, window, config)
-    ([1] * 4, [PAD, 9, 37, 70], 8, 2, 64, torch.float16, "full", None, None),  # decode
-    ([1] * 4, [PAD, 9, 37, 70], 8, 2, 128, torch.bfloat16, "swa", 16, None),
-    ([4, 4, 4], [13, PAD, 30], 8, 2, 64, torch.bfloat16, "swa", 5, None),  # 4 drafts: 16 rows
-    ([4, 2], [6, 21], 4, 4, 64, torch.float16, "full", None, None),  # group 1, ragged
-    ([1, 1, 2], [PAD, 80, 45], 8, 2, 64, torch.float16, "full", None, {"num_splits": 3, "BLOCK_N": 16}),
-    ([1, 2, 1], [33, 45, 80], 8, 2, 64, torch.float16, "swa", 50, {"num_splits": 4, "BLOCK_N": 16}),
-    ([2, 1], [9, 20], 4, 2, 64, torch.float32, "swa", 6, None),
-]
-
-
-@pytest.mark.parametrize("case", range(len(STORE_CASES)))
-def test_store_new_rows_in_the_attention_launch(case):
-    """With ``k, v, loc`` the kernel stores the step's rows and attends over them: the new
-    tokens' cache rows hold NaN before the call, so a program that read one before it was
-    stored (its own, or another split's) would give NaN; the cache after the call is the
-    cache with exactly those rows written."""
-    q_lens, seq_lens, H, Hkv, D, dtype, layer, window, config = STORE_CASES[case]
-    run_case(
-        q_lens, seq_lens, H=H, Hkv=Hkv, D=D, dtype=dtype, layer=layer, window=window, config=config, store=True,
-        seed=20 + case,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("layer,window", [("full", None), ("swa", 12)])
-def test_store_skips_slots_outside_the_cache(layer, window):
-    """Slot 0 (the sink), -1 and values past the cache are skipped: nothing is written
-    anywhere (the whole cache is compared), and the other requests are exact."""
-    out, want = run_case(
-        [1, 1, 3], [20, 31, 40], H=8, Hkv=2, D=64, layer=layer, window=window, store=True, check=False,
-        bad_locs=[0, -1, 10**6], seed=30,
-    )  # fmt: skip
-    got = out[:2].cpu().double()
-    err = (got - want[:2]).norm() / want[:2].norm()
-    assert err <= TOL[torch.float16]
-
-
-def test_store_needs_one_row_tile():
-    """More rows a request than one tile (here 5 tokens x 4 heads) is an error that names
-    the limit, raised before anything runs: the cache is untouched."""
-    q, k_cache = torch.zeros(5, 8, 64, dtype=torch.float16), torch.zeros(10, 2, 64, dtype=torch.float16)
-    before = k_cache.clone()
-    with pytest.raises(AssertionError, match="max_q_len x group <= 16"):
-        K.paged_attention(
-            q.to(DEVICE), k_cache.to(DEVICE), k_cache.to(DEVICE), torch.empty_like(q).to(DEVICE),
-            cu_q_lens=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE),
-            seq_lens=torch.tensor([9], dtype=torch.int32, device=DEVICE),
-            table=torch.ones(1, 9, dtype=torch.int32, device=DEVICE),
-            table_rows=torch.zeros(1, dtype=torch.int32, device=DEVICE), max_q_len=5, max_kv_len=9,
-            k=torch.ones(5, 2, 64, dtype=torch.float16, device=DEVICE),
-            v=torch.ones(5, 2, 64, dtype=torch.float16, device=DEVICE),
-            loc=torch.arange(1, 6, device=DEVICE),
-        )  # fmt: skip
-    assert torch.equal(k_cache, before)
-
-
-@pytest.mark.parametrize(
-    "bad,match",
-    [
-        (dict(k=None), "k is needed with loc"),
-        (dict(k=torch.ones(3, 2, 64, dtype=torch.float16)), r"k must be \[2, 2, 64\]"),
-        (dict(v=torch.ones(2, 2, 64, dtype=torch.float32)), "v is torch.float32"),
-        (dict(loc=torch.ones(1, dtype=torch.int64)), r"loc must be \[>= 2\]"),
-        (dict(loc=torch.ones(2, dtype=torch.float32)), "loc must be"),
-    ],
-)
-def test_store_rejects_bad_new_rows(bad, match):
-    q = torch.zeros(2, 8, 64, dtype=torch.float16, device=DEVICE)
-    args = dict(
-        k=torch.ones(2, 2, 64, dtype=torch.float16),
-        v=torch.ones(2, 2, 64, dtype=torch.float16),
-        loc=torch.tensor([1, 2]),
-    )
-    args.update(bad)
-    args = {n: (t.to(DEVICE) if t is not None else None) for n, t in args.items()}
-    cache = torch.zeros(10, 2, 64, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(AssertionError, match=match):
-        K.paged_attention(
-            q, cache, cache, torch.empty_like(q), cu_q_lens=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
-            seq_lens=torch.tensor([3, 3], dtype=torch.int32, device=DEVICE),
-            table=torch.ones(2, 3, dtype=torch.int32, device=DEVICE),
-            table_rows=torch.arange(2, dtype=torch.int32, device=DEVICE), max_q_len=1, max_kv_len=3, **args,
-        )  # fmt: skip
-    assert not cache.any()
-
-
-@pytest.mark.skipif(len(PDL_MODES) < 2, reason="PDL needs a GPU of compute capability >= 9.0")
-def test_store_pdl_matches_non_pdl():
-    """PDL on, with and without the metadata read before the wait and the early release:
-    the same bits as PDL off, split or not."""
-    args = ([1, 4, 2], [50, 200, 9])
-    kw = dict(H=8, Hkv=2, D=128, dtype=torch.bfloat16, window=64, layer="swa", seed=40, store=True, check=False)
-    for cfg in (None, {"num_splits": 4}):
-        a, _ = run_case(*args, pdl=False, config=cfg, **kw)
-        for prologue, release_early in ((False, False), (True, False), (True, True), (False, True)):
-            b, _ = run_case(*args, pdl=True, config=cfg, prologue=prologue, release_early=release_early, **kw)
-            assert torch.equal(a, b), (cfg, prologue, release_early)
-
-
-@pytest.mark.skipif(len(PDL_MODES) < 2, reason="PDL needs a GPU of compute capability >= 9.0")
-@pytest.mark.parametrize("store", [False, True], ids=["cached", "store"])
-def test_prefetch_matches_non_pdl(store):
-    """The L2 prefetch of the first key blocks before the wait (``PREFETCH``, with the
-    prologue) is a hint only: the same bits as PDL off without it, split or not, full and SWA
-    layers, prefetch depths short of and past the program's key range."""
-    kw = dict(H=8, Hkv=2, D=128, dtype=torch.bfloat16, seed=41, store=store, check=False)
-    cases = [
-        (([1, 4, 2], [50, 200, 9]), dict(window=64, layer="swa")),
-        (([1, 1, 3], [PAD, 300, 77]), dict(layer="full")),
-    ]
-    for (q_lens, seq_lens), layer_kw in cases:
-        for cfg in ({}, {"num_splits": 4}):
-            a, _ = run_case(q_lens, seq_lens, pdl=False, config=cfg or None, **layer_kw, **kw)
-            for depth in (1, 3, 16):
-                for release_early in (False, True):
-                    b, _ = run_case(
-                        q_lens, seq_lens, pdl=True, config={**cfg, "PREFETCH": depth}, prologue=True,
-                        release_early=release_early, **layer_kw, **kw,
-                    )  # fmt: skip
-                    assert torch.equal(a, b), (layer_kw, cfg, depth, release_early)

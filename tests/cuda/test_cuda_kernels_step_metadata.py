@@ -8,7 +8,7 @@ window table, T = 0, and more than 1024 requests.
 import pytest
 import torch
 
-from attnplug_cuda.kernels import load_kernels, pdl_supported  # noqa: E402
+from attnplug_cuda.kernels import pdl_supported  # noqa: E402
 from attnplug_cuda.kernels.interpret import use_interpreter  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PDL_MODES = [False, True] if pdl_supported(DEVICE)[0] else [False]
-K = load_kernels()
+from attnplug_cuda.kernels import step_metadata as K  # noqa: E402
+
 POISON = -77
 
 

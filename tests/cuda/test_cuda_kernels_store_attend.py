@@ -1,10 +1,11 @@
 """store_attend (one launch: KV store + attention + in-kernel split merge) against float64
-(the cases of ``one_launch_cases``): full and SWA-style tables (``table_start``), forced KV
-splits (the atomic ticket merge), padded requests, invalid store slots, ``loc=None``,
+(the cases of ``one_launch_cases``): full and SWA-style tables (a key table ``start``), forced
+KV splits (the atomic ticket merge), padded requests, invalid store slots, ``loc=None``,
 soft-capping and sinks; every launch must leave the tickets at zero (so graph replays can
-repeat it).
+repeat it). And the planner's one-launch plans (``plan_one_launch``, ``plan_step``).
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -20,26 +21,31 @@ from one_launch_cases import check as _check  # noqa: E402
 from one_launch_cases import run_case as _run_case  # noqa: E402
 
 from attnplug_cuda.kernels import pdl_supported  # noqa: E402
-from attnplug_cuda.kernels.store_attend import (  # noqa: E402
-    MAX_ROWS,
-    MERGE_ROWS,
-    eligible,
-    num_sms,
-    plan_store_attend,
-    store_attend,
-    store_attend_workspace_numel,
+from attnplug_cuda.kernels.pdl import EARLY, PLAIN, PROLOGUE, PROLOGUE_ENTRY  # noqa: E402
+from attnplug_cuda.planner import (  # noqa: E402
+    AttentionShape,
+    Path,
+    one_launch_serves,
+    one_launch_workspace_numel,
+    plan_one_launch,
+    plan_step,
 )
+from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PDL = pdl_supported(DEVICE)[0]
-run_case = functools.partial(
-    _run_case,
-    attend=store_attend,
-    plan=functools.partial(plan_store_attend, num_sms=num_sms(DEVICE)),
-    split_key="num_splits",
-    device=DEVICE,
-    pdl=PDL,
-)
+TUNING = CudaTuning()
+MERGE_ROWS = TUNING.merge_rows
+run_case = functools.partial(_run_case, device=DEVICE, pdl=PLAIN if PDL else None)
+
+
+def plan_store_attend(**shape):
+    """The planner's one-launch plan (the default tuning)."""
+    return plan_one_launch(tuning=TUNING, **shape)
+
+
+def eligible(num_reqs, num_kv_heads, max_q_len, group, num_sms):
+    return one_launch_serves(num_reqs, num_kv_heads, max_q_len, group, num_sms, TUNING)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
@@ -101,7 +107,7 @@ def test_draft_rows_merge_many_splits_in_several_trips(dtype):
     keep: dict = {}
     res = run_case([300, 97], 4, dtype=dtype, window=70, splits=16, with_sinks=True, seed=17, keep=keep)
     _check(res, dtype, bs=2, q_len=4)
-    assert keep["plan"]["ROWS"] * 16 > MERGE_ROWS, "the case must need more than one merge trip"
+    assert keep["plan"].ROWS * 16 > MERGE_ROWS, "the case must need more than one merge trip"
 
 
 def test_a_loose_host_bound_still_gives_every_split_keys():
@@ -111,7 +117,7 @@ def test_a_loose_host_bound_still_gives_every_split_keys():
     keep: dict = {}
     res = run_case([256], 1, splits=16, max_kv_len=4096, seed=13, keep=keep)
     _check(res, torch.float32, bs=1, q_len=1)
-    assert keep["plan"]["BLOCK_N"] >= 128
+    assert keep["plan"].BLOCK_N >= 128
     rows = 4  # q_len x G rows of one (request, kv head) group
     m = keep["workspace"][: 2 * 16 * rows].view(2, 16, rows)[:, :, :4].cpu()  # [groups, splits, rows]
     assert (m > -1e29).all(), f"splits without keys: {(m <= -1e29).all(-1).nonzero().tolist()}"
@@ -122,57 +128,57 @@ def test_plan_and_eligibility():
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=256, window=256, num_sms=132
     )
-    assert p["num_splits"] == 8 and p["BLOCK_N"] == 32
+    assert p.NUM_SPLITS == 8 and p.BLOCK_N == 32
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1024, window=None, num_sms=132
     )
-    assert p["num_splits"] == 16 and p["BLOCK_N"] == 64
+    assert p.NUM_SPLITS == 16 and p.BLOCK_N == 64
     # a share of 68 keys (1088 / 16): a 64-key block, the largest power of two within the share
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["num_splits"] == 16 and p["BLOCK_N"] == 64 and p["num_stages"] == 1  # one block a program
+    assert p.NUM_SPLITS == 16 and p.BLOCK_N == 64 and p.num_stages == 1  # one block a program
     # 4 drafts at bs 4: 272 keys a split, 128-key blocks (8 warps: one program an SM)
     p = plan_store_attend(
         num_reqs=4, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["num_splits"] == 4 and p["BLOCK_N"] == 128 and p["num_stages"] == 1 and p["num_warps"] == 8
+    assert p.NUM_SPLITS == 4 and p.BLOCK_N == 128 and p.num_stages == 1 and p.num_warps == 8
     # a window of 256 at bs 5 (40 groups, a quarter of the SMs at least): one 256-key block, unsplit
     p = plan_store_attend(
         num_reqs=5, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=256, num_sms=132
     )
-    assert p["num_splits"] == 1 and p["BLOCK_N"] == 256 and p["num_warps"] == 8
+    assert p.NUM_SPLITS == 1 and p.BLOCK_N == 256 and p.num_warps == 8
     # ... but split at bs 4 (32 groups), and for 4 drafts (259 keys: more than one block)
     p = plan_store_attend(
         num_reqs=4, num_kv_heads=8, group=4, head_dim=128, max_q_len=1, max_kv_len=1088, window=256, num_sms=132
     )
-    assert p["num_splits"] > 1
+    assert p.NUM_SPLITS > 1
     p = plan_store_attend(
         num_reqs=8, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=256, num_sms=132
     )
-    assert p["num_splits"] > 1
+    assert p.NUM_SPLITS > 1
     assert eligible(33, 8, 1, 4, 132) and not eligible(34, 8, 1, 4, 132)  # two groups per SM at most
-    assert eligible(1, 8, 4, 4, 132) and MAX_ROWS == 16  # 4 drafts x 4 heads: one launch
+    assert eligible(1, 8, 4, 4, 132) and TUNING.one_launch_rows == 16  # 4 drafts x 4 heads: one launch
     assert not eligible(1, 8, 5, 4, 132)  # 5 drafts x 4 heads: the two-launch path
     # more groups than SMs (bs 32: 256 groups on 132 SMs): unsplit 128-key blocks, 4 warps, 2 stages
     h200 = dict(num_kv_heads=8, group=4, head_dim=128, max_kv_len=1088, num_sms=132)
     for q_len, window in ((1, None), (1, 256), (4, 256)):
         p = plan_store_attend(num_reqs=32, max_q_len=q_len, window=window, **h200)
-        assert (p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]) == (1, 128, 4, 2)
+        assert (p.NUM_SPLITS, p.BLOCK_N, p.num_warps, p.num_stages) == (1, 128, 4, 2)
     p = plan_store_attend(num_reqs=17, max_q_len=4, window=256, **h200)  # 4 drafts at bs 17: crowded, unsplit
-    assert (p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]) == (1, 128, 4, 2)
+    assert (p.NUM_SPLITS, p.BLOCK_N, p.num_warps, p.num_stages) == (1, 128, 4, 2)
     # 16 rows split as far as decode does; the merge takes MERGE_ROWS (split, row) pairs a trip
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=None, num_sms=132
     )
-    assert p["ROWS"] == p["BLOCK_M"] == 16 and p["num_splits"] == 16 and p["BLOCK_N"] == 64
-    assert p["MERGE_CHUNK"] * p["ROWS"] == MERGE_ROWS
+    assert p.ROWS == 16 and p.NUM_SPLITS == 16 and p.BLOCK_N == 64
+    assert p.MERGE_CHUNK * p.ROWS == MERGE_ROWS
     # a window-bounded span is the real range: one block covers a split's share as the kernel
     # cuts it (259 keys over 8 splits: 33 keys, cut in 48-key steps, one 64-key block)
     p = plan_store_attend(
         num_reqs=1, num_kv_heads=8, group=4, head_dim=128, max_q_len=4, max_kv_len=1088, window=256, num_sms=132
     )
-    assert p["num_splits"] == 8 and p["BLOCK_N"] == 64 and p["num_stages"] == 1
+    assert p.NUM_SPLITS == 8 and p.BLOCK_N == 64 and p.num_stages == 1
 
 
 def test_plans_pair_programs_on_each_sm():
@@ -184,7 +190,7 @@ def test_plans_pair_programs_on_each_sm():
 
     def plan(bs, window, max_kv_len=1025, q_len=1):
         p = plan_store_attend(num_reqs=bs, max_q_len=q_len, max_kv_len=max_kv_len, window=window, **h200)
-        return p["num_splits"], p["BLOCK_N"], p["num_warps"], p["num_stages"]
+        return p.NUM_SPLITS, p.BLOCK_N, p.num_warps, p.num_stages
 
     # full layers: (splits, block, warps, stages) at 1,025 keys
     assert plan(1, None) == (16, 64, 4, 1)  # 32 splits would hold 32 keys each
@@ -221,9 +227,9 @@ def test_plans_pair_programs_on_each_sm():
         for window in (None, 256):
             for q_len in (1, 2, 4):
                 p = plan_store_attend(num_reqs=bs, max_q_len=q_len, max_kv_len=1025, window=window, **h200)
-                if p["num_splits"] > 1:
-                    need = bs * 8 * p["num_splits"] * p["ROWS"] * (128 + 2)
-                    assert need <= store_attend_workspace_numel(128, 132)
+                if p.NUM_SPLITS > 1:
+                    need = bs * 8 * p.NUM_SPLITS * p.ROWS * (128 + 2)
+                    assert need <= one_launch_workspace_numel(128, 132, TUNING)
 
 
 #: (seq_lens, q_len, run_case arguments): the step's own keys after the cached ones
@@ -251,7 +257,7 @@ OWN_BLOCK_CASES = {
 def test_own_keys_in_their_own_block_match_exact_attention(name):
     seq_lens, q_len, kw = OWN_BLOCK_CASES[name]
     kw = dict(kw)
-    config = dict(kw.pop("config", {}), own_block=1)
+    config = dict(kw.pop("config", {}), OWN_BLOCK=True)
     res = run_case(seq_lens, q_len, config=config, seed=3, **kw)
     _check(
         res,
@@ -265,25 +271,49 @@ def test_own_keys_in_their_own_block_match_exact_attention(name):
 
 
 @pytest.mark.skipif(not PDL, reason="PDL needs sm_90 and Triton >= 3.5")
-@pytest.mark.parametrize("own_block", [0, 1])
-def test_release_at_entry_gives_the_bits_of_pdl_off(own_block):
+@pytest.mark.parametrize("own_block", [False, True])
+@pytest.mark.parametrize("schedule", [EARLY, PROLOGUE, PROLOGUE_ENTRY], ids=lambda s: f"{s.wait}-{s.release}")
+def test_every_pdl_schedule_gives_the_bits_of_pdl_off(own_block, schedule):
     for name in ("decode_window_8_splits", "drafts_16_rows", "garbage_slots_small_blocks"):
         seq_lens, q_len, kw = OWN_BLOCK_CASES[name]
         kw = dict(kw)
-        config = dict(kw.pop("config", {}), own_block=own_block, release_entry=1)
-        off = run_case(seq_lens, q_len, config=config, pdl=False, seed=2, **kw)[0]
-        entry = run_case(seq_lens, q_len, config=config, pdl=True, prologue=True, seed=2, **kw)[0]
-        assert torch.equal(off, entry), name
+        config = dict(kw.pop("config", {}), OWN_BLOCK=own_block)
+        off = run_case(seq_lens, q_len, config=config, pdl=None, seed=2, **kw)[0]
+        on = run_case(seq_lens, q_len, config=config, pdl=schedule, seed=2, **kw)[0]
+        assert torch.equal(off, on), name
 
 
 def test_decode_steps_fold_their_own_key_and_release_at_entry_from_two_requests():
-    h200 = dict(num_kv_heads=8, group=4, head_dim=128, max_kv_len=1088, num_sms=132)
+    def step(bs, q_len, window, pdl=True):
+        shape = AttentionShape(
+            num_heads=32, num_kv_heads=8, head_dim=128, max_context_len=1088, window=window, num_sms=132
+        )
+        return plan_step(shape, bs, bs * q_len, q_len, TUNING, pdl)
+
     for window in (None, 256):
-        p = plan_store_attend(num_reqs=1, max_q_len=1, window=window, **h200)  # 8 groups
-        assert (p["own_block"], p["release_entry"]) == (1, 0), window
+        plan = step(1, 1, window)  # 8 groups: the own key folded, released after the wait
+        assert plan.path is Path.ONE_LAUNCH
+        for layer in (plan.full, plan.swa or plan.full):
+            assert layer.kernel.OWN_BLOCK and (layer.first, layer.later) == (EARLY, PROLOGUE), window
         for bs in (2, 5, 8, 12, 16):  # 16 to 128 groups: a sixteenth of the SMs to all of them
-            p = plan_store_attend(num_reqs=bs, max_q_len=1, window=window, **h200)
-            assert p["own_block"] == p["release_entry"] == 1, (bs, window)
+            plan = step(bs, 1, window)
+            assert plan.full.kernel.OWN_BLOCK and (plan.full.first, plan.full.later) == (EARLY, PROLOGUE_ENTRY)
     for bs, q_len in ((17, 1), (32, 1), (1, 4), (8, 4)):  # more groups than SMs; drafts
-        p = plan_store_attend(num_reqs=bs, max_q_len=q_len, window=256, **h200)
-        assert p["own_block"] == p["release_entry"] == 0, (bs, q_len)
+        plan = step(bs, q_len, 256)
+        for layer in (plan.full, plan.swa):
+            assert not layer.kernel.OWN_BLOCK and (layer.first, layer.later) == (EARLY, PROLOGUE), (bs, q_len)
+    assert step(8, 1, 256, pdl=False).swa.later is None  # no PDL: no schedule
+
+
+def test_the_step_path_follows_the_tuning():
+    shape = AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, max_context_len=1088, window=256, num_sms=132)
+    assert plan_step(shape, 8, 8, 1, TUNING, True).path is Path.ONE_LAUNCH
+    assert plan_step(shape, 64, 64, 1, TUNING, True).path is Path.PAGED_STORE  # 512 groups
+    assert plan_step(shape, 2, 100, 50, TUNING, True).path is Path.TWO_LAUNCH  # an extend
+    off = dataclasses.replace(TUNING, one_launch=False)
+    assert plan_step(shape, 8, 8, 1, off, True).path is Path.PAGED_STORE
+    two = dataclasses.replace(TUNING, one_launch=False, paged_store=False)
+    plan = plan_step(shape, 8, 8, 1, two, True)
+    assert plan.path is Path.TWO_LAUNCH and plan.swa.first == plan.swa.later == PLAIN
+    cpp = dataclasses.replace(TUNING, kv_store="cpp")
+    assert plan_step(shape, 64, 64, 1, cpp, True).path is Path.TWO_LAUNCH  # the C++ store is a launch of its own

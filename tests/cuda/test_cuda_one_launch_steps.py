@@ -1,7 +1,10 @@
-"""The cuda backend's one-launch small steps (``store_attend``) against its two-launch path
-(KV store + attention), under TRITON_INTERPRET=1 on the CPU: which steps take one launch, and
-that both paths store the same KV and give the same outputs (eager and replayed)."""
+"""The cuda backend's paths (``planner.Path``) against each other, under TRITON_INTERPRET=1 on
+the CPU: which steps take one launch (``store_attend``), which store inside
+``paged_attention``, and that every path stores the same KV and gives the same outputs (eager
+and replayed). The variants are tunings (``CudaTuning``), as a benchmark builds them."""
 
+import dataclasses
+import functools
 import os
 
 import pytest
@@ -14,6 +17,8 @@ pytest.importorskip("triton")
 from attnplug import ForwardMode  # noqa: E402
 from attnplug_conformance.harness import World, WorldSpec  # noqa: E402
 from attnplug_cuda.backend import CudaBackend  # noqa: E402
+from attnplug_cuda.planner import Path  # noqa: E402
+from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPEC = WorldSpec(
@@ -32,20 +37,22 @@ SPEC = WorldSpec(
 )
 
 
-class TwoLaunch(CudaBackend):
-    one_launch_small_steps = False
+def tuned(**changes):
+    """The cuda backend with the default tuning changed by ``changes``."""
+    return functools.partial(CudaBackend, tuning=dataclasses.replace(CudaTuning(), **changes))
 
 
-class SeparateStore(TwoLaunch):
-    """The two-launch path as it was: a KV store launch, then the attention storing nothing."""
-
-    paged_attention_stores = False
+#: the two-launch path: paged_attention storing the step (larger decode / draft steps)
+TWO_LAUNCH = tuned(one_launch=False)
+#: the two-launch path as it was: a KV store launch, then the attention storing nothing
+SEPARATE_STORE = tuned(one_launch=False, paged_store=False)
 
 
 def _decode_twice(backend_cls, *, graphs: bool, mode=ForwardMode.DECODE, drafts=None):
+    """Two steps of ``mode``: their outputs, each step's path, the KV the world holds after."""
     world = World(SPEC, backend_cls, DEVICE, seed=3)
     reqs = world.prefill([40, 9], backend=world.reference_backend)
-    outs, fused, paged_store = [], [], []
+    outs, paths = [], []
     runner = world.graph_runner(max_bs=2, num_draft_tokens=drafts, bucket_sizes=[2]) if graphs else None
     for _ in range(2):
         step = world.plan(mode, reqs, num_draft_tokens=drafts)
@@ -53,12 +60,9 @@ def _decode_twice(backend_cls, *, graphs: bool, mode=ForwardMode.DECODE, drafts=
             outs.append(world.run_eager(step).float().clone())
         else:
             outs.append(runner.run(step.batch, step.inputs).float().clone())
-        fused.append(world.backend.forward_metadata.fused)
-        paged_store.append(world.backend.forward_metadata.paged_store)
+        paths.append(world.backend.forward_metadata.plan.path)
         world.advance(step)
-    if backend_cls is SeparateStore or backend_cls is TwoLaunch:
-        assert paged_store == [backend_cls.paged_attention_stores] * 2
-    return outs, fused, world.snapshot_kv()
+    return outs, paths, world.snapshot_kv()
 
 
 def _assert_same(one, two, kv_one, kv_two):
@@ -70,18 +74,18 @@ def _assert_same(one, two, kv_one, kv_two):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_one_launch_steps_match_the_two_launch_path(graphs):
-    one, fused_one, kv_one = _decode_twice(CudaBackend, graphs=graphs)
-    two, fused_two, kv_two = _decode_twice(TwoLaunch, graphs=graphs)
-    assert fused_one == [True, True] and fused_two == [False, False]
+    one, paths_one, kv_one = _decode_twice(CudaBackend, graphs=graphs)
+    two, paths_two, kv_two = _decode_twice(TWO_LAUNCH, graphs=graphs)
+    assert paths_one == [Path.ONE_LAUNCH] * 2 and paths_two == [Path.PAGED_STORE] * 2
     _assert_same(one, two, kv_one, kv_two)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_draft_steps_of_up_to_16_rows_take_one_launch(graphs):
     # 6 drafts x 2 q heads per kv head = 12 rows: one launch, as the two-launch path computes it
-    one, fused, kv_one = _decode_twice(CudaBackend, graphs=graphs, mode=ForwardMode.TARGET_VERIFY, drafts=6)
-    two, fused_two, kv_two = _decode_twice(TwoLaunch, graphs=graphs, mode=ForwardMode.TARGET_VERIFY, drafts=6)
-    assert all(fused) and not any(fused_two)
+    one, paths, kv_one = _decode_twice(CudaBackend, graphs=graphs, mode=ForwardMode.TARGET_VERIFY, drafts=6)
+    two, paths_two, kv_two = _decode_twice(TWO_LAUNCH, graphs=graphs, mode=ForwardMode.TARGET_VERIFY, drafts=6)
+    assert paths == [Path.ONE_LAUNCH] * 2 and Path.ONE_LAUNCH not in paths_two
     _assert_same(one, two, kv_one, kv_two)
 
 
@@ -91,11 +95,12 @@ def test_paged_attention_storing_the_step_matches_a_separate_store(graphs, mode,
     """Steps beyond the one-launch path store their K/V inside paged_attention's launch: the
     same cache and bit-identical outputs as a KV store launch first, and no store launch."""
     stores = []
-    monkeypatch.setattr(TwoLaunch, "_store", lambda self, *args: stores.append(args))
-    inside, _, kv_inside = _decode_twice(TwoLaunch, graphs=graphs, mode=mode, drafts=drafts)
-    assert stores == []
+    monkeypatch.setattr(CudaBackend, "_store", lambda self, *args: stores.append(args))
+    inside, paths, kv_inside = _decode_twice(TWO_LAUNCH, graphs=graphs, mode=mode, drafts=drafts)
+    assert stores == [] and paths == [Path.PAGED_STORE] * 2
     monkeypatch.undo()
-    separate, _, kv_separate = _decode_twice(SeparateStore, graphs=graphs, mode=mode, drafts=drafts)
+    separate, paths, kv_separate = _decode_twice(SEPARATE_STORE, graphs=graphs, mode=mode, drafts=drafts)
+    assert paths == [Path.TWO_LAUNCH] * 2
     for a, b in zip(inside, separate):
         assert torch.isfinite(a).all() and torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(kv_inside, kv_separate):
@@ -104,60 +109,12 @@ def test_paged_attention_storing_the_step_matches_a_separate_store(graphs, mode,
 
 def test_larger_steps_take_the_two_launch_path():
     world = World(SPEC, CudaBackend, DEVICE, seed=1)
-    world.backend._num_sms = 3  # as the interpreter's stand-in, whatever GPU runs the test
+    backend = world.backend
+    backend.shape = dataclasses.replace(backend.shape, num_sms=3)  # a small GPU, whatever runs the test
     reqs = world.prefill([12, 7, 20, 5], backend=world.reference_backend)
     step = world.plan(ForwardMode.DECODE, reqs)  # 4 requests x 2 kv heads on 3 SMs: > 2 groups an SM
     world.run_eager(step)
-    assert world.backend.forward_metadata.fused is False
-    assert world.backend.forward_metadata.paged_store is True  # paged_attention stores the step
-    step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=9)  # 9 x 2 rows > MAX_ROWS
+    assert backend.forward_metadata.plan.path is Path.PAGED_STORE  # paged_attention stores the step
+    step = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=9)  # 9 x 2 rows > 16
     world.run_eager(step)
-    assert world.backend.forward_metadata.fused is False
-    assert world.backend.forward_metadata.paged_store is False  # more rows than one tile: a store launch
-
-
-@pytest.mark.parametrize("graphs", [False, True])
-def test_layers_routed_to_the_staged_kernel_match_the_two_launch_path(graphs, monkeypatch):
-    # the one-launch layers through the C++ kernels (asked for; FILL 0: any grid covers "the
-    # GPU"), where the extension loads: the draft steps' layers fit the resident kernel, the
-    # decode steps' stay with store_attend (takes_layer); 12-row draft steps, eager and replayed
-    import attnplug_cuda.staged_attend as staged
-
-    monkeypatch.setenv("ATTNPLUG_ONE_LAUNCH", "cpp")
-    monkeypatch.setattr(staged, "FILL", 0.0)
-    backend = World(SPEC, CudaBackend, DEVICE, seed=3).backend
-    if backend._staged_attend is None:
-        pytest.skip(backend.one_launch_reason)
-    for mode, drafts in ((ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 6)):
-        one, fused, kv_one = _decode_twice(CudaBackend, graphs=graphs, mode=mode, drafts=drafts)
-        two, _, kv_two = _decode_twice(TwoLaunch, graphs=graphs, mode=mode, drafts=drafts)
-        assert all(fused)
-        _assert_same(one, two, kv_one, kv_two)
-
-
-def test_the_step_routes_each_layer_kind_once(monkeypatch):
-    # the backend decides per step which layer kinds the staged kernel takes (_StepTables.staged)
-    # and calls it for exactly those layers; here a stand-in that records the call and runs
-    # store_attend, so any machine checks the routing
-    import attnplug_cuda.staged_attend as staged
-
-    world = World(SPEC, CudaBackend, DEVICE, seed=3)
-    backend = world.backend
-    calls = []
-
-    def stand_in(*args, **kwargs):
-        calls.append(kwargs.get("window"))
-        return backend._store_attend(*args, **kwargs)
-
-    backend._staged_attend = stand_in
-    reqs = world.prefill([40, 9], backend=world.reference_backend)
-    monkeypatch.setattr(staged, "FILL", 2.0)  # no grid covers twice the GPU: none routed
-    world.run_eager(world.plan(ForwardMode.DECODE, reqs))
-    assert backend.forward_metadata.staged == (False, False) and calls == []
-    monkeypatch.setattr(staged, "FILL", 0.0)  # every grid covers "the GPU"
-    # both layers' cached keys fit the resident kernel, which decode steps are not given
-    world.run_eager(world.plan(ForwardMode.DECODE, reqs))
-    assert backend.forward_metadata.staged == (False, False) and calls == []
-    world.run_eager(world.plan(ForwardMode.TARGET_VERIFY, reqs, num_draft_tokens=6))
-    assert backend.forward_metadata.fused and backend.forward_metadata.staged == (True, True)
-    assert len(calls) == 2 and set(calls) == {None, SPEC.sliding_window}  # one full, one SWA layer
+    assert backend.forward_metadata.plan.path is Path.TWO_LAUNCH  # more rows than one tile: a store launch

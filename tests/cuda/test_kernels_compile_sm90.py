@@ -1,4 +1,5 @@
-"""Every Triton launch of the cuda backend compiles for sm_90 on this machine (no GPU needed).
+"""Every Triton launch of the cuda backend compiles for sm_90 on this machine (no GPU needed),
+with no register spills.
 
 The interpreted kernel tests run the kernels' semantics, not Triton's compiler; this runs
 ``tests/cuda/sm90_compile.py`` (the launches of a small serving loop, compiled to cubins for

@@ -1,86 +1,53 @@
-"""The ``cuda`` backend: Triton (and optionally CUDA C++) kernels with PDL, CUDA graphs.
+"""The ``cuda`` backend: Triton (and optionally a CUDA C++ KV store) kernels with PDL, CUDA graphs.
 
-Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the layers read:
-the hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the
-window's start, each new token's position, and the window's SWA slot table (full-pool rows
-translated once per step). Per layer: small decode and draft steps
-(``kernels.store_attend.eligible``: up to 16 (token, q head) rows per request, at most two
-(request, kv head) groups per SM) run ONE launch that stores the step's K/V, attends and merges
-its KV splits: the Triton kernel ``store_attend`` (with ``ATTNPLUG_ONE_LAUNCH=cpp``, the
-layers ``staged_attend.takes_layer`` names run the CUDA C++ kernels of ``staged_attend``
-instead: the staged kernel, each CTA's keys copied into shared memory before the PDL wait,
-where its CTAs cover the GPU; the resident kernel, one CTA a group holding its window in
-registers, for windowed steps of several tokens a request on half the GPU; decided once per
-step, ``_StepTables.staged``). Larger decode and draft steps run the paged attention alone,
-storing the step's K/V at the hoisted slots in the same launch (``paged_attention_stores``,
-``_StepTables.paged_store``); longer steps run two launches, the KV store and the paged
-attention. A combine launch follows when the KV range is split for decode. With PDL, each
-one-launch layer after a step's first reads its metadata and cached K/V before waiting for
-the previous kernel and releases the next launch right after its wait, so consecutive layers
-overlap (the kernels' ``prologue`` and ``release_early``;
-class flags ``pdl_prologue`` / ``pdl_release_early``).
+Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the layers read: the
+hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the window's
+start, each new token's position and the window's SWA slot table (full-pool rows translated
+once per step), and ``planner.plan_step`` decides, from host ints only, how the step's layers
+run. Per layer, by the step's plan:
 
+* small decode and draft steps: ONE ``store_attend`` launch (store, attention, split merge);
+* other decode and draft steps: ONE ``paged_attention`` launch that also stores the step;
+* extends (and what the tuning turns off): a KV store launch, then ``paged_attention`` (and
+  its split combine when decode splits the KV range).
+
+With PDL, every attention launch after a step's first reads its metadata and cached K/V
+before waiting for the previous kernel, so consecutive layers overlap (``pdl.Schedule``).
 Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
 launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).
 
-Options (environment, read at construction):
-
-* ``ATTNPLUG_DISABLE_PDL=1``: launch without Programmatic Dependent Launch.
-* ``ATTNPLUG_KV_STORE=cpp``: store KV with the CUDA C++ kernel (``csrc/kv_store.cu``, built
-  JIT on first use; small steps then store with it and attend with a one-launch kernel that
-  stores nothing); when it cannot be built the Triton store is used and the instance's
-  ``kv_store_reason`` says why (``attnplug info`` checks the prerequisites only; it builds
-  nothing). Default ``triton``.
-* ``ATTNPLUG_ONE_LAUNCH=cpp``: run the one-launch small-step layers ``staged_attend.takes_layer``
-  names with the CUDA C++ kernels (``csrc/staged_attend.cu``, ``csrc/resident_attend.cu``; the
-  C++ extension is built JIT
-  on the first backend's construction, cached across processes); when it cannot be built,
-  ``store_attend`` runs every layer and the instance's ``one_launch_reason`` says why. Default
-  ``triton``: ``store_attend`` on every layer (``staged_attend``'s module docstring gives the
-  measurements behind the default).
+Choices (``tuning.CudaTuning``, ``CudaTuning.from_env()`` by default):
+``ATTNPLUG_DISABLE_PDL=1`` launches without PDL; ``ATTNPLUG_KV_STORE=cpp`` stores K/V with the
+CUDA C++ kernel (``csrc/kv_store.cu``, built JIT on first use; where it cannot be built the
+Triton store is used and ``kv_store_reason`` says why). A variant for a benchmark or a test
+is ``CudaBackend(..., tuning=dataclasses.replace(tuning, ...))``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Optional, Tuple
+import dataclasses
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from attnplug import env
 from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
 from attnplug.batch import BatchError, ForwardBatch
 from attnplug.env import validation_enabled
 from attnplug.graph_buffers import GraphBuffers
 
-from .device import CudaDevice, kv_store_choice, one_launch_choice
+from .device import CudaDevice, kv_store_choice
 from .kernels.interpret import interpreting
-from .staged_attend import serves_layers as staged_serves
-from .staged_attend import staged_attend
-from .staged_attend import takes_layer as staged_takes_layer
+from .planner import (
+    AttentionShape,
+    Path,
+    one_launch_workspace_numel,
+    paged_workspace_numel,
+    plan_step,
+)
+from .step_tables import StepTables, graph_buffers
+from .tuning import CudaTuning
 
 __all__ = ["CudaBackend"]
-
-
-@dataclass
-class _StepTables:
-    """Per-step tables (device tensors; graph mode: views of the static buffers)."""
-
-    max_q_len: int  # host bound: most new tokens of one request
-    cu_q_lens: torch.Tensor  # [bs + 1] int32
-    window_start: torch.Tensor  # [bs] int32: position of column 0 of swa_window_table
-    token_pos: torch.Tensor  # [T] int32: position of each new token
-    swa_out_cache_loc: Optional[torch.Tensor]  # [T] int32: hoisted SWA slots of the new tokens
-    swa_window_table: Optional[torch.Tensor]  # [bs, width] int32: SWA slots of the window
-    workspace: Optional[torch.Tensor]  # fp32 split-KV scratch (graph mode: static)
-    fused: bool = False  # each layer is one store_attend launch (small steps)
-    paged_store: bool = False  # not fused: paged_attention stores the step's K/V in its launch
-    staged: Tuple[bool, bool] = (False, False)  # (full, SWA) layers: staged_attend, not store_attend
-    relaunch: Optional[object] = None  # graph mode: repeats the metadata launch (same buffers)
-    relaunch_key: tuple = ()  # the batch tensors relaunch was built for
-    # graph mode, copies from the engine's step: (step dtypes, positions given) ->
-    # (the static tensors it writes, the Relaunch that takes each step's tensors)
-    padded_launches: Dict[tuple, tuple] = field(default_factory=dict)
 
 
 class CudaBackend(AttentionBackend):
@@ -90,30 +57,18 @@ class CudaBackend(AttentionBackend):
     needs_cpu_seq_lens = False
     copies_replay_batch = True  # the one metadata launch also fills the runner's static batch
     device_part = CudaDevice()
-    #: small decode steps run one ``store_attend`` launch per layer (False: always the KV
-    #: store + attention launches; benchmarks compare the two)
-    one_launch_small_steps: ClassVar[bool] = True
-    #: decode and draft steps beyond the one-launch path (up to ``paged_attention``'s
-    #: ``STORE_ROWS`` (token, q head) rows a request) store the step's K/V inside its launch,
-    #: not in a KV store launch before it (False: a separate store; benchmarks compare the two)
-    paged_attention_stores: ClassVar[bool] = True
-    #: with PDL, ``paged_attention`` layers that store their step (``paged_attention_stores``)
-    #: read the step's metadata before waiting for the previous kernel, except the first
-    #: launch after the metadata launch (``paged_attention``'s ``prologue``); with
-    #: ``paged_pdl_release_early`` they release the next launch right after their wait. An
-    #: H200, 48-layer hybrid step, decode: both on 1520.7 / 2899.6 us at bs 64 / 128 against
-    #: 1549.0 / 2929.9 us with both off (the prologue alone: 1554.0 / 2936.1)
-    paged_pdl_prologue: ClassVar[bool] = True
-    paged_pdl_release_early: ClassVar[bool] = True
-    #: with PDL, one-launch layers read their metadata and cached K/V before waiting for the
-    #: previous kernel (``store_attend``'s ``prologue``), except the first launch after the
-    #: step's metadata launch (False: wait first; benchmarks compare the two)
-    pdl_prologue: ClassVar[bool] = True
-    #: with PDL, one-launch layers release the next launch right after their wait, so its
-    #: prologue overlaps this layer's work (False: after their last store)
-    pdl_release_early: ClassVar[bool] = True
 
-    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
+    def __init__(
+        self,
+        pool,
+        req_to_token_pool,
+        *,
+        num_heads,
+        sliding_window=None,
+        scaling=None,
+        logit_softcap=None,
+        tuning: Optional[CudaTuning] = None,
+    ):
         super().__init__(
             pool,
             req_to_token_pool,
@@ -127,39 +82,39 @@ class CudaBackend(AttentionBackend):
                 f"the cuda backend needs a pool on a CUDA device, got {self.device} "
                 "(on the CPU it runs only under the Triton interpreter, TRITON_INTERPRET=1)"
             )
-        from .kernels import load_kernels, pdl_supported
+        from .kernels import common, kv_store, paged_attention, pdl, step_metadata, store_attend
 
-        kernels = load_kernels()
-        self._kv_store_triton = kernels.kv_store
-        self._paged_attention = kernels.paged_attention
-        self._step_metadata = kernels.step_metadata
-        self._per_step_args = kernels.step_metadata_per_step_args
-        self._padded_copy = kernels.step_metadata_padded_copy
-        self._workspace_numel = kernels.workspace_numel
-        self._store_attend = kernels.store_attend
-        self._fused_eligible = kernels.store_attend_eligible
-        self._store_rows = kernels.paged_attention_store_rows
-        self._num_sms = kernels.num_sms(self.device)
-        self.pdl, self.pdl_reason = pdl_supported(self.device)
-        self.kv_store_impl, self.kv_store_reason = kv_store_choice()
-        if env.one_launch_kernel() == "cpp" and not staged_serves(pool.dtype, self.head_dim):
-            self.one_launch_impl = "triton"
-            self.one_launch_reason = (
-                "ATTNPLUG_ONE_LAUNCH=cpp, but the layers are not served by the staged kernel (float16 / "
-                f"bfloat16 at head dim 64 or 128; these are {pool.dtype} at head dim {self.head_dim})"
-            )
-        else:  # builds the C++ extension when it is asked for
-            self.one_launch_impl, self.one_launch_reason = one_launch_choice()
-        #: the staged C++ kernel (``store_attend``'s signature) for the one-launch layers whose
-        #: CTAs cover the GPU, or None
-        self._staged_attend = staged_attend if self.one_launch_impl == "cpp" else None
+        tuning = tuning if tuning is not None else CudaTuning.from_env()
+        if not isinstance(tuning, CudaTuning):
+            raise TypeError(f"tuning must be a CudaTuning, got {type(tuning).__name__}")
+        self.kv_store_impl, self.kv_store_reason = kv_store_choice(tuning.kv_store)
+        ok, self.pdl_reason = pdl.pdl_supported(self.device)
+        self.pdl = ok and tuning.pdl
+        if ok and not tuning.pdl:
+            self.pdl_reason = "turned off by the tuning (pdl=False)"
+        #: the tuning this instance runs with (the KV store it could load)
+        self.tuning = dataclasses.replace(tuning, kv_store=self.kv_store_impl)
+        self._step_metadata = step_metadata.step_metadata
+        self._per_step_args, self._padded_copy = step_metadata.per_step_args, step_metadata.PaddedCopy
+        self._kv_store = kv_store.kv_store
+        self._paged_attention = paged_attention.paged_attention
+        self._store_attend = store_attend.store_attend
+        self._key_table, self._new_rows = common.KeyTable, common.NewRows
         self.has_swa = bool(pool.swa_layer_ids)
-        width = req_to_token_pool.req_to_token.shape[1]
-        self.max_context_len = width
-        self.forward_metadata: Optional[_StepTables] = None
+        self.max_context_len = req_to_token_pool.req_to_token.shape[1]
+        #: what this instance fixes for every step's plan
+        self.shape = AttentionShape(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_context_len=self.max_context_len,
+            window=self.sliding_window if self.has_swa else None,
+            num_sms=common.num_sms(self.device),
+        )
+        self.forward_metadata: Optional[StepTables] = None
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
         self._graph_buffers: Optional[GraphBuffers] = None
-        self._graph_tables: Dict[Tuple[int, int], _StepTables] = {}
+        self._graph_tables: Dict[Tuple[int, int], StepTables] = {}
         self._validate_replay = False
         self._after_metadata = True  # the next attention launch directly follows the metadata launch
         self._replay_source: Optional[Tuple[ForwardBatch, ForwardBatch]] = None  # set_replay_source
@@ -168,8 +123,8 @@ class CudaBackend(AttentionBackend):
         self._table_rows = torch.arange(req_to_token_pool.req_to_token.shape[0], dtype=torch.int32, device=self.device)
         # store_attend's split partials and its per-(request, kv head) tickets: allocated once,
         # shared by eager steps and graphs (every launch leaves the tickets at zero)
-        self._fused_workspace = torch.empty(
-            kernels.store_attend_workspace_numel(self.head_dim, self._num_sms),
+        self._one_launch_workspace = torch.empty(
+            one_launch_workspace_numel(self.head_dim, self.shape.num_sms, self.tuning),
             dtype=torch.float32,
             device=self.device,
         )
@@ -198,10 +153,10 @@ class CudaBackend(AttentionBackend):
         return self.installed_capabilities().for_instance(device_type=self.device.type, pdl=self.pdl)
 
     # ------------------------------------------------------------------ metadata
-    def _table_width(self, max_q_len: int) -> int:
-        return min(self.max_context_len, self.sliding_window + max_q_len - 1)
+    def _plan(self, bs: int, num_tokens: int, max_q_len: int):
+        return plan_step(self.shape, bs, num_tokens, max_q_len, self.tuning, self.pdl)
 
-    def _fill(self, batch: ForwardBatch, t: _StepTables, padded=None):
+    def _fill(self, batch: ForwardBatch, t: StepTables, padded=None):
         """The step's ONE metadata launch, writing into ``t``'s tensors (and, with
         ``padded``, a ``PaddedCopy`` of the static batch, the step copied and padded into
         it); returns its ``Relaunch`` (repeats the launch with minimal host work)."""
@@ -218,50 +173,12 @@ class CudaBackend(AttentionBackend):
             swa_out_cache_loc=t.swa_out_cache_loc,
             req_to_token=self.req_to_token_pool.req_to_token if self.has_swa else None,
             swa_window_table=t.swa_window_table,
-            window=self.sliding_window if self.has_swa else None,
+            window=self.shape.window,
             pdl=self.pdl,
             positions=batch.positions if padded is not None else None,
             padded=padded,
             fill_value=self.get_cuda_graph_seq_len_fill_value(),
         )
-
-    def _fused_step(self, bs: int, max_q_len: int) -> bool:
-        """Whether a step of ``bs`` requests with up to ``max_q_len`` new tokens each runs one
-        ``store_attend`` launch per layer (small steps) instead of a store + attention."""
-        return self.one_launch_small_steps and self._fused_eligible(
-            bs, self.num_kv_heads, max_q_len, self.num_heads // self.num_kv_heads, self._num_sms
-        )
-
-    def _paged_store(self, bs: int, max_q_len: int) -> bool:
-        """Whether a step that is not one ``store_attend`` launch a layer stores its K/V inside
-        ``paged_attention``'s launch (decode and draft steps: up to its ``STORE_ROWS`` rows a
-        request; the Triton store)."""
-        rows = max(1, max_q_len) * (self.num_heads // self.num_kv_heads)
-        return (
-            self.paged_attention_stores
-            and self.kv_store_impl == "triton"
-            and rows <= self._store_rows
-            and not self._fused_step(bs, max_q_len)
-        )
-
-    def _staged_layers(self, bs: int, max_q_len: int) -> Tuple[bool, bool]:
-        """Whether the full / SWA layers of a one-launch step of ``bs`` requests run the C++
-        kernels of ``staged_attend`` (when they are on: ``takes_layer`` on the host bounds
-        ``_attention_args`` passes)."""
-        if self._staged_attend is None:
-            return (False, False)
-        shape = dict(
-            num_reqs=bs,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            max_q_len=max_q_len,
-            num_sms=self._num_sms,
-        )
-        full = staged_takes_layer(max_kv_len=self.max_context_len, window=None, **shape)
-        swa = self.has_swa and staged_takes_layer(
-            max_kv_len=self._table_width(max_q_len), window=self.sliding_window, **shape
-        )
-        return (full, swa)
 
     @staticmethod
     def _max_q_len(batch: ForwardBatch) -> int:
@@ -280,51 +197,27 @@ class CudaBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.check_batch(batch)
-        bs, T, dev = batch.batch_size, batch.num_tokens, self.device
+        bs, T = batch.batch_size, batch.num_tokens
         max_q = self._max_q_len(batch)
-        i32 = dict(dtype=torch.int32, device=dev)
-        t = _StepTables(
-            max_q_len=max_q,
-            cu_q_lens=torch.empty(bs + 1, **i32),
-            window_start=torch.empty(bs, **i32),
-            token_pos=torch.empty(T, **i32),
-            swa_out_cache_loc=torch.empty(T, **i32) if self.has_swa else None,
-            swa_window_table=torch.empty(bs, self._table_width(max_q), **i32) if self.has_swa else None,
-            workspace=None,
-            fused=self._fused_step(bs, max_q),
-            paged_store=self._paged_store(bs, max_q),
-            staged=self._staged_layers(bs, max_q),
-        )
+        t = StepTables.allocate(self._plan(bs, T, max_q), self.shape, bs, T, max_q, self.device)
         if bs:
             self._fill(batch, t)
         self.forward_metadata = t
         self._note_prepared_batch(batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        dev = self.device
-        i32 = dict(dtype=torch.int32)
-        # The step_metadata launch writes the whole of cuda_graph_swa_out_cache_loc: [:n]
-        # translated, [n:] zeroed, exactly GraphBuffers.expected_swa_out_cache_loc (tested).
-        buffers = GraphBuffers(dev, max_bs, max_num_tokens)
+        workspace = paged_workspace_numel(max_num_tokens, self.num_heads, self.head_dim, self.tuning)
+        buffers = graph_buffers(self.shape, self.device, max_bs, max_num_tokens, workspace)
         self.cuda_graph_swa_out_cache_loc = buffers.swa_out_cache_loc
-        buffers.add("cu_q_lens", max_bs + 1, **i32)
-        buffers.add("window_start", "requests", **i32)
-        buffers.add("token_pos", "tokens", **i32)
-        buffers.add(
-            "workspace", self._workspace_numel(max_num_tokens, self.num_heads, self.head_dim), dtype=torch.float32
-        )
-        if self.has_swa:
-            # Rows of any captured (bs, q_len) fit: bs * (W + q_len - 1) <= max_bs * W + max_num_tokens.
-            buffers.add("swa_window_table", max_bs * self.sliding_window + max_num_tokens, **i32)
         if max_bs > self._table_rows.shape[0]:  # padded buckets may exceed the request table
-            self._table_rows = torch.arange(max_bs, dtype=torch.int32, device=dev)
-            self._tickets = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=dev)
+            self._table_rows = torch.arange(max_bs, dtype=torch.int32, device=self.device)
+            self._tickets = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
         self._graph_buffers = buffers
         self._graph_tables = {}
         # Read once here, not per replay: the replay path does no new host work by default.
         self._validate_replay = validation_enabled()
 
-    def _graph_views(self, batch: ForwardBatch) -> _StepTables:
+    def _graph_views(self, batch: ForwardBatch) -> StepTables:
         if self._graph_buffers is None:
             raise RuntimeError("init_cuda_graph_state() must run before capture or replay")
         if batch.q_len is None:
@@ -332,26 +225,9 @@ class CudaBackend(AttentionBackend):
         key = (batch.batch_size, batch.q_len)
         t = self._graph_tables.get(key)
         if t is None:
-            bs, n, b = batch.batch_size, batch.num_tokens, self._graph_buffers
-            b.check_fits(bs, n)
-            table = None
-            if self.has_swa:
-                width = self._table_width(batch.q_len)
-                table = b["swa_window_table"][: bs * width].view(bs, width)
-            t = _StepTables(
-                max_q_len=batch.q_len,
-                cu_q_lens=b["cu_q_lens"][: bs + 1],
-                window_start=b["window_start"][:bs],
-                token_pos=b["token_pos"][:n],
-                # The whole buffer: the launch translates [:n] and zeroes the tail.
-                swa_out_cache_loc=self.cuda_graph_swa_out_cache_loc if self.has_swa else None,
-                swa_window_table=table,
-                workspace=b["workspace"],
-                fused=self._fused_step(bs, batch.q_len),
-                paged_store=self._paged_store(bs, batch.q_len),
-                staged=self._staged_layers(bs, batch.q_len),
-            )
-            self._graph_tables[key] = t
+            bs, q = key
+            plan = self._plan(bs, batch.num_tokens, q)
+            t = self._graph_tables[key] = StepTables.view(plan, self.shape, self._graph_buffers, bs, q)
         return t
 
     @staticmethod
@@ -424,101 +300,67 @@ class CudaBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ the layer
     def _store(self, k, v, k_cache, v_cache, loc) -> None:
-        if self.kv_store_impl == "cpp":
+        if self.tuning.kv_store == "cpp":
             from .cpp_ext import kv_store as cpp_kv_store
 
             cpp_kv_store(k, v, k_cache, v_cache, loc, self.pdl)
         else:
-            self._kv_store_triton(k, v, k_cache, v_cache, loc, pdl=self.pdl)
+            self._kv_store(k, v, k_cache, v_cache, loc, pdl=self.pdl)
 
-    def _step_tables(self) -> _StepTables:
+    def _step_tables(self) -> StepTables:
         """This step's tables (the last metadata call's)."""
         t = self.forward_metadata
         if t is None:
             raise RuntimeError("forward() before init_forward_metadata() for this step")
         return t
 
-    def _attention_args(
-        self, is_swa: bool, batch: ForwardBatch, t: _StepTables, window_table: Optional[torch.Tensor] = None
-    ) -> dict:
-        """The keyword arguments every attention call of one layer takes: full layers read
+    def keys(self, is_swa: bool, batch: ForwardBatch, t: StepTables, window_table: Optional[torch.Tensor] = None):
+        """Where a layer's keys are (``kernels.common.KeyTable``): full layers read
         ``req_to_token`` rows, SWA layers the window table (``t.swa_window_table`` unless
         ``window_table`` is given) from each request's window start."""
         if is_swa:
             table = t.swa_window_table if window_table is None else window_table
-            where = dict(table_rows=self._table_rows, table_start=t.window_start, max_kv_len=table.shape[1])
-            window = self.sliding_window
-        else:
-            table, window = self.req_to_token_pool.req_to_token, None
-            where = dict(table_rows=batch.req_pool_indices, table_start=None, max_kv_len=self.max_context_len)
-        return dict(
-            where,
-            table=table,
-            window=window,
-            cu_q_lens=t.cu_q_lens,
-            seq_lens=batch.seq_lens,
-            max_q_len=t.max_q_len,
-            sm_scale=self.scaling,
-        )
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        loc: Optional[torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        is_swa: bool,
-        batch: ForwardBatch,
-        t: _StepTables,
-        sinks: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """Attention of one layer: full layers through ``req_to_token`` rows, SWA layers
-        through the window table (only the keys the window reaches); the backend's
-        ``logit_softcap`` and the layer's ``sinks`` (float32 ``[num_heads]`` or None).
-        Small steps (``t.fused``) run ``store_attend``, which also stores k/v at ``loc``
-        (None: stored already, or not saved); ``paged_attention`` stores them too where
-        ``t.paged_store`` (other steps get ``loc=None`` here)."""
-        out = torch.empty_like(q)
-        if batch.num_tokens == 0:
-            return out
-        common = dict(self._attention_args(is_swa, batch, t), softcap=self.logit_softcap, sinks=sinks, pdl=self.pdl)
-        if t.fused:
-            # Data read before gdc_wait must come from kernels two or more launches back:
-            # not the metadata this step's first launch follows.
-            prologue, self._after_metadata = self.pdl_prologue and not self._after_metadata, False
-            kernel = self._staged_attend if t.staged[is_swa] else self._store_attend
-            return kernel(
-                q,
-                k,
-                v,
-                loc,
-                k_cache,
-                v_cache,
-                out,
-                workspace=self._fused_workspace,
-                tickets=self._tickets,
-                prologue=prologue,
-                release_early=self.pdl_release_early,
-                **common,
-            )
-        if t.paged_store:
-            prologue, self._after_metadata = self.paged_pdl_prologue and not self._after_metadata, False
-            common.update(prologue=prologue, release_early=self.paged_pdl_release_early)
-        if loc is not None:
-            common.update(k=k, v=v, loc=loc)
-        return self._paged_attention(q, k_cache, v_cache, out, workspace=t.workspace, **common)
+            return self._key_table.of(table, self._table_rows, t.window_start)
+        return self._key_table.of(self.req_to_token_pool.req_to_token, batch.req_pool_indices)
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         self.check_forward_inputs(q, k, v, batch, save_kv_cache, sinks=sinks)
         t = self._step_tables()
         is_swa = self.pool.is_swa_layer(layer_id)
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
+        path = t.plan.path
         loc = None
         if save_kv_cache:
             loc = t.swa_out_cache_loc[: batch.num_tokens] if is_swa else batch.out_cache_loc
-            if not (t.fused and self.kv_store_impl == "triton") and not t.paged_store:  # a separate store launch
+            stored_by_attention = path is Path.PAGED_STORE or (
+                path is Path.ONE_LAUNCH and self.tuning.kv_store == "triton"
+            )
+            if not stored_by_attention:  # a separate store launch
                 self._store(k, v, k_cache, v_cache, loc)
                 loc = None
-        return self._attend(q, k, v, loc, k_cache, v_cache, is_swa, batch, t, sinks)
+        out = torch.empty_like(q)
+        if batch.num_tokens == 0:
+            return out
+        layer = t.plan.layer(is_swa)
+        pdl = layer.schedule(self._after_metadata)
+        if path is not Path.TWO_LAUNCH:
+            self._after_metadata = False
+        common = dict(
+            cu_q_lens=t.cu_q_lens,
+            seq_lens=batch.seq_lens,
+            keys=self.keys(is_swa, batch, t),
+            max_q_len=t.max_q_len,
+            plan=layer.kernel,
+            sm_scale=self.scaling,
+            window=self.sliding_window if is_swa else None,
+            softcap=self.logit_softcap,
+            sinks=sinks,
+            pdl=pdl,
+        )
+        if path is Path.ONE_LAUNCH:
+            workspace, tickets = self._one_launch_workspace, self._tickets
+            return self._store_attend(
+                q, k, v, loc, k_cache, v_cache, out, workspace=workspace, tickets=tickets, **common
+            )
+        new = self._new_rows.of(k, v, loc) if loc is not None else None
+        return self._paged_attention(q, k_cache, v_cache, out, new=new, workspace=t.workspace, **common)

@@ -1,15 +1,12 @@
-"""Build and load the CUDA C++ kernels of the plugin (``csrc/``) as ONE torch extension.
+"""Build and load the CUDA C++ kernel of the plugin (``csrc/``) as a torch extension.
 
-The kernels (each ``.cu`` compiles alone, free of torch headers; each ``*_binding.cpp``
-registers its functions into the one module that ``module.cpp`` defines):
-
-* the KV store (``csrc/kv_store.cu``): for each new token ``t``, ``k_cache[loc[t]] = k[t]``
-  and ``v_cache[loc[t]] = v[t]``, all heads of a token per thread group, 16-byte loads/stores
-  when the rows allow it, and Programmatic Dependent Launch (PDL) on sm_90+: it waits
-  (``cudaGridDependencySynchronize``) before reading k, v or loc and lets its dependents start
-  (``cudaTriggerProgrammaticLaunchCompletion``) after its last store;
-* the staged small-step attention (``csrc/staged_attend.cu``; its Python wrapper and plan:
-  ``attnplug_cuda.staged_attend``).
+The kernel (``.cu`` files compile alone, free of torch headers; each ``*_binding.cpp``
+registers its functions into the one module that ``module.cpp`` defines) is the KV store
+(``csrc/kv_store.cu``): for each new token ``t``, ``k_cache[loc[t]] = k[t]`` and
+``v_cache[loc[t]] = v[t]``, all heads of a token per thread group, 16-byte loads/stores when
+the rows allow it, and Programmatic Dependent Launch (PDL) on sm_90+: it waits
+(``cudaGridDependencySynchronize``) before reading k, v or loc and lets its dependents start
+(``cudaTriggerProgrammaticLaunchCompletion``) after its last store.
 
 API:
 
@@ -45,13 +42,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import List, Optional, Sequence, Tuple, Union
 
-from attnplug import env
+from . import env
 
 __all__ = [
     "CSRC_DIR",
     "KV_STORE_CU",
-    "STAGED_ATTEND_CU",
-    "RESIDENT_ATTEND_CU",
     "KERNEL_SOURCES",
     "EXT_SOURCES",
     "SM90_GENCODE",
@@ -67,25 +62,12 @@ __all__ = [
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 KV_STORE_CU = CSRC_DIR / "kv_store.cu"
-STAGED_ATTEND_CU = CSRC_DIR / "staged_attend.cu"
-RESIDENT_ATTEND_CU = CSRC_DIR / "resident_attend.cu"
 #: the kernels, each compiling alone with ``nvcc_compile_command``
-KERNEL_SOURCES: Tuple[Path, ...] = (KV_STORE_CU, STAGED_ATTEND_CU, RESIDENT_ATTEND_CU)
+KERNEL_SOURCES: Tuple[Path, ...] = (KV_STORE_CU,)
 #: compiled into the extension: the kernels, their bindings and the module
-EXT_SOURCES: Tuple[Path, ...] = (
-    *KERNEL_SOURCES,
-    CSRC_DIR / "kv_store_binding.cpp",
-    CSRC_DIR / "staged_attend_binding.cpp",
-    CSRC_DIR / "module.cpp",
-)
+EXT_SOURCES: Tuple[Path, ...] = (*KERNEL_SOURCES, CSRC_DIR / "kv_store_binding.cpp", CSRC_DIR / "module.cpp")
 #: hashed into the build key with the sources
-_HEADERS: Tuple[Path, ...] = (
-    CSRC_DIR / "kv_store.h",
-    CSRC_DIR / "staged_attend.h",
-    CSRC_DIR / "attention_device.cuh",
-    CSRC_DIR / "attend_share.cuh",
-    CSRC_DIR / "bindings.h",
-)
+_HEADERS: Tuple[Path, ...] = (CSRC_DIR / "kv_store.h", CSRC_DIR / "bindings.h")
 
 #: Hopper machine code; always built, whatever GPU is present
 SM90_GENCODE = "-gencode=arch=compute_90,code=sm_90"
@@ -305,9 +287,9 @@ def cpp_ext_status(build: bool = True) -> Tuple[bool, str]:
 
 
 def load_ext() -> ModuleType:
-    """The loaded extension module (``kv_store``, ``vec_bytes``, ``staged_attend`` and its
-    helpers); built once per process. Raises :class:`CppExtensionUnavailable` with the reason otherwise; a
-    failed build is remembered and not retried in this process."""
+    """The loaded extension module (``kv_store``, ``vec_bytes``); built once per process.
+    Raises :class:`CppExtensionUnavailable` with the reason otherwise; a failed build is
+    remembered and not retried in this process."""
     global _ext, _ext_dir, _ext_error
     ok, reason = _prerequisites()
     if not ok:

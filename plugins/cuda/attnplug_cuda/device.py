@@ -12,6 +12,7 @@
 * ``CudaDevice``: the ``DevicePart`` the cuda backend names; on a machine without CUDA (the
   kernels under the Triton interpreter) it falls back to the core's eager stand-ins.
   ``describe()`` reads only the environment and the installed tools: no CUDA context, no build.
+* ``kv_store_choice``: the KV store kernel a backend gets (the C++ one where it builds).
 
 Everything here touches CUDA only when called, so the module imports on any machine.
 """
@@ -23,11 +24,12 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from attnplug import env
 from attnplug.device_part import DevicePart
 from attnplug.graphs import PoolOps, StreamGraph
 
-__all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice", "one_launch_choice"]
+from . import env
+
+__all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice"]
 
 
 def _pool_ops() -> PoolOps:
@@ -51,33 +53,18 @@ def strict_sync_guard() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def _triton_or_cpp(wanted: str, flag: "env.EnvFlag", kernel: str, build: bool) -> Tuple[str, str]:
-    """``(choice, reason)`` for a kernel the plugin ships in Triton and in CUDA C++: ``cpp``
-    only when ``flag`` asks for it (``wanted``) and the C++ extension loads (with ``build=False``
+def kv_store_choice(wanted: str, build: bool = True) -> Tuple[str, str]:
+    """``(kernel, reason)``: the KV store a backend asked for ``wanted`` (``triton`` or ``cpp``)
+    runs with. ``cpp`` only where the plugin's C++ extension loads (with ``build=False``
     nothing is built or loaded: ``cpp`` then means its prerequisites are met)."""
     if wanted == "triton":
-        return "triton", f"default ({flag.name}=cpp selects the {kernel})"
+        return "triton", f"default ({env.KV_STORE.name}=cpp selects the CUDA C++ KV store)"
     from .cpp_ext import cpp_ext_status, try_load_ext
 
     ok, reason = cpp_ext_status(build=build)
     if ok and (not build or try_load_ext() is not None):
-        return "cpp", f"{flag.name}=cpp" + ("" if build else f" ({reason})")
-    return "triton", f"the {kernel} is unavailable: {reason}"
-
-
-def kv_store_choice(build: bool = True) -> Tuple[str, str]:
-    """Which KV store kernel to use and why (``ATTNPLUG_KV_STORE``: ``triton``, the default, or
-    ``cpp``, the CUDA C++ KV store where the plugin's C++ extension builds)."""
-    # env.kv_store_kernel() raises EnvError (a ValueError) naming a bad value
-    return _triton_or_cpp(env.kv_store_kernel(), env.KV_STORE, "CUDA C++ KV store", build)
-
-
-def one_launch_choice(build: bool = True) -> Tuple[str, str]:
-    """Which kernels run the one-launch small-step layers and why (``ATTNPLUG_ONE_LAUNCH``:
-    ``triton``, the default, the Triton kernel ``store_attend`` on every layer, or ``cpp``,
-    the staged CUDA C++ kernel on the layers whose CTAs cover the GPU where the plugin's C++
-    extension builds)."""
-    return _triton_or_cpp(env.one_launch_kernel(), env.ONE_LAUNCH, "staged CUDA C++ kernel", build)
+        return "cpp", f"{env.KV_STORE.name}=cpp" + ("" if build else f" ({reason})")
+    return "triton", f"the CUDA C++ KV store is unavailable: {reason}"
 
 
 class CudaDevice(DevicePart):
@@ -97,19 +84,12 @@ class CudaDevice(DevicePart):
             torch.cuda.synchronize(device)
 
     def describe(self) -> Dict[str, Any]:
-        """The PDL rule and the KV store and one-launch kernel choices, from the environment
-        and the installed tools only: no CUDA context is created and nothing is built."""
-        store, store_reason = kv_store_choice(build=False)
-        one_launch, one_launch_reason = one_launch_choice(build=False)
+        """The PDL rule and the KV store choice, from the environment and the installed tools
+        only: no CUDA context is created and nothing is built."""
+        store, store_reason = kv_store_choice(env.kv_store_kernel(), build=False)
         pdl_rule = (
             "off: ATTNPLUG_DISABLE_PDL is set"
             if env.pdl_disabled()
             else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)"
         )
-        return {
-            "pdl_rule": pdl_rule,
-            "kv_store": store,
-            "kv_store_reason": store_reason,
-            "one_launch": one_launch,
-            "one_launch_reason": one_launch_reason,
-        }
+        return {"pdl_rule": pdl_rule, "kv_store": store, "kv_store_reason": store_reason}

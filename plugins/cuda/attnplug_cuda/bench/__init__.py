@@ -17,15 +17,14 @@ benchmark             what it measures (each module's docstring has the details 
                       ``import flashinfer`` works, the replay preparation at bs 128
 ``kernels``           (only with ``--only kernels``) each kernel alone on its own tensors:
                       attention cases checked against float32 torch, a 32-layer step with PDL
-                      on / off, the store and the metadata kernel; ``--set sweep=1`` adds
-                      block-size / split sweeps
+                      on / off, the store and the metadata kernel
 ``model_decode``      (only with ``--only model_decode``) decode tokens/s of a 1B-class Gemma3 text
                       model through ``Engine`` vs transformers' static-cache generate
                       (``attnplug.bench.model_decode``; needs transformers)
 ====================  =========================================================================
 
 Options (``--set NAME=VALUE``): ``skip_cpp`` (do not build the CUDA C++ KV store),
-``flex_budget_s`` (seconds for compiling + timing flex_attention; 0 skips it), ``sweep``.
+``flex_budget_s`` (seconds for compiling + timing flex_attention; 0 skips it).
 Each benchmark runs in its own child process by default; the run's default budget is 560 s.
 It needs a CUDA device (``NeedsCudaDevice`` otherwise). Nothing here imports Triton, the
 kernels or CUDA at import time.
@@ -129,7 +128,7 @@ SUITE = Suite(
     ],
     requires=_require_cuda,
     environment=_environment,
-    options={"skip_cpp": False, "flex_budget_s": 150.0, "sweep": False},
+    options={"skip_cpp": False, "flex_budget_s": 150.0},
     isolate=True,
     budget_s=DEFAULT_BUDGET_S,
 )

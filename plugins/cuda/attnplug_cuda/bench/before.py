@@ -20,13 +20,16 @@ against its predecessor in the same run; never register it or use it in an engin
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
 
 from attnplug.batch import ForwardBatch
 
-from ..backend import CudaBackend, _StepTables
+from ..backend import CudaBackend
+from ..step_tables import StepTables
+from ..tuning import CudaTuning
 
 __all__ = ["BeforeBackend"]
 
@@ -47,14 +50,17 @@ class BeforeBackend(CudaBackend):
     copies_replay_batch = False  # the graph runner copies the step into its static batch
 
     def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None):
-        super().__init__(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling)
-        self.pdl = False
+        # every step's layers: paged_attention alone, without PDL (the store: index_put, below)
+        tuning = dataclasses.replace(CudaTuning(), pdl=False, one_launch=False, paged_store=False)
+        super().__init__(
+            pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window, scaling=scaling, tuning=tuning
+        )
         self.pdl_reason = "before path: PDL off"
         self.kv_store_impl = "index_put"
         self.kv_store_reason = "before path: pool.set_kv_buffer (PyTorch index_put)"
 
     # ------------------------------------------------------------------ metadata (host)
-    def _fill(self, batch: ForwardBatch, t: _StepTables) -> None:
+    def _fill(self, batch: ForwardBatch, t: StepTables) -> None:
         """Host lists -> ``torch.tensor(list, device=...)`` -> the step's tables. No SWA
         translation here: the before path translates in every SWA layer."""
         bs, T, dev = batch.batch_size, batch.num_tokens, self.device
@@ -77,11 +83,11 @@ class BeforeBackend(CudaBackend):
         t.window_start[:bs].copy_(torch.tensor(ws, **i32))
 
     # ------------------------------------------------------------------ per-layer work
-    def _window_table(self, batch: ForwardBatch, t: _StepTables) -> torch.Tensor:
+    def _window_table(self, batch: ForwardBatch, t: StepTables) -> torch.Tensor:
         """The window's SWA slot table, rebuilt with PyTorch ops (every SWA layer)."""
         r2t = self.req_to_token_pool.req_to_token
         cols_max = r2t.shape[1]
-        width = self._table_width(t.max_q_len)
+        width = self.shape.table_width(t.max_q_len)
         cols = torch.arange(width, dtype=torch.int64, device=self.device)
         pos = t.window_start[:, None].long() + cols[None, :]  # [bs, width]
         valid = (pos < batch.seq_lens[:, None]) & (pos < cols_max)
@@ -104,5 +110,17 @@ class BeforeBackend(CudaBackend):
         if batch.num_tokens == 0:
             return out
         window_table = self._window_table(batch, t) if is_swa else None
-        args = self._attention_args(is_swa, batch, t, window_table)
-        return self._paged_attention(q, k_cache, v_cache, out, workspace=t.workspace, pdl=False, **args)
+        return self._paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            cu_q_lens=t.cu_q_lens,
+            seq_lens=batch.seq_lens,
+            keys=self.keys(is_swa, batch, t, window_table),
+            max_q_len=t.max_q_len,
+            plan=t.plan.layer(is_swa).kernel,
+            sm_scale=self.scaling,
+            window=self.sliding_window if is_swa else None,
+            workspace=t.workspace,
+        )

@@ -25,14 +25,15 @@ Around the new path's steps, in the same run:
   step's bytes, ``attnplug.bench.floors.step_bytes``, at the device-to-device copy bandwidth
   measured first); times held to ``TIME_TARGETS_US``;
 * **one launch per layer**: at bs 1, 8 and 32 the same backend with its one-launch small steps
-  off (variant ``new-two-launch``: KV store + attention launches): ``new-two-launch / new``;
-  at bs 64 and 128 (where ``paged_attention`` stores the step itself) the same backend with
-  a KV store launch before each attention (``new-store-launch``), bit-identical to ``new``;
-  and its one-launch layers without the PDL prologue (``new-no-prologue``) and releasing the
-  next launch after their last store (``new-release-late``), each bit-identical to ``new``;
-* **PDL**: at bs 1 the same backend built with ``ATTNPLUG_DISABLE_PDL=1`` (variant
-  ``new-no-pdl``): ``new-no-pdl / new`` held to ``>= 1.15x``, and every layer's output must
-  be bit-identical;
+  and in-attention stores off (variant ``new-two-launch``, ``CudaTuning(one_launch=False,
+  paged_store=False)``: KV store + attention launches): ``new-two-launch / new``; at bs 64
+  and 128 (where ``paged_attention`` stores the step itself) the same backend with a KV store
+  launch before each attention (``new-store-launch``, ``paged_store=False``), bit-identical
+  to ``new``;
+* **PDL**: at bs 1 the same backend without PDL (variant ``new-no-pdl``,
+  ``CudaTuning(pdl=False)``): ``new-no-pdl / new`` held to ``>= 1.15x``, and every layer's
+  output must be bit-identical (every PDL schedule the step's launches take gives the bits of
+  PDL off);
 * **FlashInfer** (``flashinfer_peer``; DECODE, when ``import flashinfer`` works): its
   attention-only time for all layers in one graph, and ``flashinfer / new`` held to
   ``FLASHINFER_TARGETS``;
@@ -42,16 +43,14 @@ Around the new path's steps, in the same run:
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator, List
+import dataclasses
+from typing import List
 
 import torch
 
 from attnplug import ForwardMode
 from attnplug.bench import Ctx
 from attnplug.bench.step_case import PrepCheck, StepPeer, StepRatio, StepShape, StepVariant, run_step_benchmark
-from attnplug.env import DISABLE_PDL
 
 NAME = "hybrid_step"
 NUM_LAYERS, CONTEXT, WINDOW, NUM_DRAFT = 48, 1024, 256, 4
@@ -86,42 +85,15 @@ SHAPE = StepShape(
 )
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def cuda_backend_without_pdl(*args, **kwargs):
-    """The cuda backend constructed with ``ATTNPLUG_DISABLE_PDL=1`` (read at construction)."""
-    from ..backend import CudaBackend
-
-    with _env(DISABLE_PDL.name, "1"):
-        backend = CudaBackend(*args, **kwargs)
-    if backend.pdl:
-        raise RuntimeError("ATTNPLUG_DISABLE_PDL=1 did not turn PDL off in the cuda backend")
-    return backend
-
-
-def cuda_backend_with(**flags):
-    """A maker of the cuda backend with some of its class flags changed (a subclass), for the
-    variants that switch one of its features off: ``one_launch_small_steps=False`` (with
-    ``paged_attention_stores=False``: every step on the two-launch path, KV store + attention),
-    ``pdl_prologue=False`` (the one-launch
-    layers wait before any load), ``pdl_release_early=False`` (they release the next launch
-    after their last store)."""
+def cuda_backend(**changes):
+    """A maker of the cuda backend with ``CudaTuning.from_env()`` changed by ``changes``
+    (``dataclasses.replace``): the variants that switch one of its choices off."""
 
     def make(*args, **kwargs):
         from ..backend import CudaBackend
+        from ..tuning import CudaTuning
 
-        return type("CudaBackendVariant", (CudaBackend,), dict(flags))(*args, **kwargs)
+        return CudaBackend(*args, tuning=dataclasses.replace(CudaTuning.from_env(), **changes), **kwargs)
 
     return make
 
@@ -129,26 +101,20 @@ def cuda_backend_with(**flags):
 def variants() -> dict:
     """``new``: the cuda backend (``seq_lens_cpu=None``; floors measured); ``before``:
     ``BeforeBackend``; ``new-no-pdl``: the cuda backend without PDL, at ``PDL_SIZES``;
-    ``new-two-launch``: the cuda backend without its one-launch small steps, at
-    ``TWO_LAUNCH_SIZES``; ``new-no-prologue`` / ``new-release-late``: its one-launch layers
-    without the PDL prologue / releasing the next launch after their last store, at
+    ``new-two-launch``: without its one-launch small steps and in-attention stores, at
     ``TWO_LAUNCH_SIZES``; ``new-store-launch``: a KV store launch before each
     ``paged_attention``, at ``STORE_LAUNCH_SIZES``."""
-    from ..backend import CudaBackend
     from .before import BeforeBackend
 
-    small = dict(sizes=TWO_LAUNCH_SIZES, vs_baseline=False)
     return {
-        "new": StepVariant(make=CudaBackend, floor=True),
+        "new": StepVariant(make=cuda_backend(), floor=True),
         "before": StepVariant(make=BeforeBackend, with_cpu=True),
-        "new-no-pdl": StepVariant(make=cuda_backend_without_pdl, sizes=PDL_SIZES, vs_baseline=False),
+        "new-no-pdl": StepVariant(make=cuda_backend(pdl=False), sizes=PDL_SIZES, vs_baseline=False),
         "new-two-launch": StepVariant(
-            make=cuda_backend_with(one_launch_small_steps=False, paged_attention_stores=False), **small
+            make=cuda_backend(one_launch=False, paged_store=False), sizes=TWO_LAUNCH_SIZES, vs_baseline=False
         ),
-        "new-no-prologue": StepVariant(make=cuda_backend_with(pdl_prologue=False), **small),
-        "new-release-late": StepVariant(make=cuda_backend_with(pdl_release_early=False), **small),
         "new-store-launch": StepVariant(
-            make=cuda_backend_with(paged_attention_stores=False), sizes=STORE_LAUNCH_SIZES, vs_baseline=False
+            make=cuda_backend(paged_store=False), sizes=STORE_LAUNCH_SIZES, vs_baseline=False
         ),
     }
 
@@ -172,8 +138,6 @@ def run(ctx: Ctx) -> List[dict]:
     sizes = (1, 64) if ctx.quick else (1, 8, 32, 64, 128)
     pdl_ratio = StepRatio(slow="new-no-pdl", fast="new", target=PDL_TARGET, identical=True)
     one_launch = StepRatio(slow="new-two-launch", fast="new")
-    prologue = StepRatio(slow="new-no-prologue", fast="new", identical=True)
-    release_early = StepRatio(slow="new-release-late", fast="new", identical=True)
     store_in_attention = StepRatio(slow="new-store-launch", fast="new", identical=True)
     return run_step_benchmark(
         ctx,
@@ -189,7 +153,7 @@ def run(ctx: Ctx) -> List[dict]:
         tolerance=1e-2,
         time_targets=TIME_TARGETS_US,
         launch_floor=EmptyKernelFloor(ctx.timer, repeats=3 if ctx.quick else 5),
-        ratios=[pdl_ratio, one_launch, prologue, release_early, store_in_attention],
+        ratios=[pdl_ratio, one_launch, store_in_attention],
         peers=[flashinfer_peer()],
         prep=PrepCheck(variant="new", bs=PREP_BS, target_us=PREP_TARGET_US, iters=300 if ctx.quick else 2000),
     )

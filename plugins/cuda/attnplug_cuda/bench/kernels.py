@@ -9,9 +9,10 @@ random through a cache far larger than L2:
   1.07 GB of K/V read per call), against the device's copy bandwidth; full-layer decode over
   ``req_to_token``, TARGET_VERIFY (q_len 4), a long prefill and an extend;
 * a 32-layer decode step (store + attention per layer) in one graph, PDL off / on;
-* ``kv_store`` (64 decode tokens, an 8192-token prefill) and ``step_metadata``;
-* ``--set sweep=1``: block sizes / warps / stages / splits of the SWA decode case and of the
-  prefill.
+* ``kv_store`` (64 decode tokens, an 8192-token prefill) and ``step_metadata``.
+
+Each attention case runs the plan the planner gives it (``planner.plan_paged``), as the
+backend would.
 
 Each checked attention case is compared with a float32 torch computation (relative error
 ``rel_err``, target <= 2e-2). Rows: ``time`` per case (us, with TB/s or TFLOP/s, the launch
@@ -36,6 +37,7 @@ REL_ERR_TARGET = 2e-2
 
 def _case(bs, q_len, seq_len, window, H, Hkv, D, dtype, device, layer, seed=0):
     """Caches, tables and inputs of one uniform step (every request the same lengths)."""
+    from ..kernels.common import KeyTable
     from ..kernels.step_metadata import step_metadata
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -79,12 +81,10 @@ def _case(bs, q_len, seq_len, window, H, Hkv, D, dtype, device, layer, seed=0):
     meta()
     q = torch.randn(T, H, D, generator=g, device=device).to(dtype)
     if layer == "full":
-        table, rows, start = req_to_token, rpi, None
+        keys = KeyTable.of(req_to_token, rpi)
     else:
-        table, rows, start = (
-            bufs["swa_window_table"],
-            torch.arange(bs, dtype=torch.int32, device=device),
-            bufs["window_start"],
+        keys = KeyTable.of(
+            bufs["swa_window_table"], torch.arange(bs, dtype=torch.int32, device=device), bufs["window_start"]
         )
     return dict(
         q=q,
@@ -92,9 +92,7 @@ def _case(bs, q_len, seq_len, window, H, Hkv, D, dtype, device, layer, seed=0):
         v_cache=v_cache,
         cu=bufs["cu_q_lens"],
         seq_lens=seq_lens,
-        table=table,
-        rows=rows,
-        start=start,
+        keys=keys,
         max_kv_len=max_ctx,
         meta=meta,
         reach=reach,
@@ -110,12 +108,12 @@ def _reference(c, q_len, window):
     bs = c["seq_lens"].shape[0]
     seq_len = int(c["seq_lens"][0])
     out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
-    start = c["start"]
+    keys = c["keys"]
     for b in range(bs):
-        lo_col = 0 if start is None else int(start[b])
-        row = int(c["rows"][b])
+        lo_col = 0 if keys.start is None else int(keys.start[b])
+        row = int(keys.rows[b])
         pos_all = torch.arange(lo_col, seq_len, device=q.device)
-        slots = c["table"][row, pos_all - lo_col].long()
+        slots = keys.table[row, pos_all - lo_col].long()
         k = kc[slots].float().repeat_interleave(H // Hkv, 1)
         v = vc[slots].float().repeat_interleave(H // Hkv, 1)
         qb = q[b * q_len : (b + 1) * q_len].float()
@@ -129,12 +127,36 @@ def _reference(c, q_len, window):
     return out
 
 
-def _attention_fn(c, q_len, window, *, config=None, pdl=False):
-    from ..kernels.paged_attention import paged_attention, workspace_numel
+def _plan(c, q_len, window):
+    """The plan the planner gives this case (``planner.plan_paged``), as the backend would."""
+    from ..kernels.common import num_sms
+    from ..planner import plan_paged
+    from ..tuning import CudaTuning
+
+    q = c["q"]
+    T, heads, head_dim = q.shape
+    return plan_paged(
+        num_reqs=c["seq_lens"].shape[0],
+        num_tokens=T,
+        num_kv_heads=HKV,
+        group=heads // HKV,
+        head_dim=head_dim,
+        max_q_len=q_len,
+        max_kv_len=c["max_kv_len"],
+        window=window,
+        num_sms=num_sms(q.device),
+        tuning=CudaTuning(),
+    )
+
+
+def _attention_fn(c, q_len, window, *, pdl=False):
+    from ..kernels.paged_attention import paged_attention
+    from ..kernels.pdl import PLAIN
 
     q = c["q"]
     out = torch.empty_like(q)
-    ws = torch.empty(workspace_numel(q.shape[0], q.shape[1], q.shape[2]) * 4, dtype=torch.float32, device=q.device)
+    plan = _plan(c, q_len, window)
+    ws = torch.empty(q.shape[0] * q.shape[1] * plan.NUM_SPLITS * (q.shape[2] + 2), dtype=torch.float32, device=q.device)
 
     def fn():
         paged_attention(
@@ -144,15 +166,12 @@ def _attention_fn(c, q_len, window, *, config=None, pdl=False):
             out,
             cu_q_lens=c["cu"],
             seq_lens=c["seq_lens"],
-            table=c["table"],
-            table_rows=c["rows"],
-            table_start=c["start"],
+            keys=c["keys"],
             max_q_len=q_len,
-            max_kv_len=c["max_kv_len"],
+            plan=plan,
             window=window,
             workspace=ws,
-            pdl=pdl,
-            config=config,
+            pdl=PLAIN if pdl else None,
         )
         return out
 
@@ -172,23 +191,11 @@ def _attention_row(
     *,
     check: bool = True,
 ) -> dict:
-    from ..kernels.paged_attention import _num_sms, plan_attention
-
     dev = ctx.device
     c = _case(bs, q_len, seq_len, window, H, HKV, D, torch.bfloat16, dev, layer)
     keys = min(seq_len, q_len + window - 1) if window is not None else seq_len
     kv_bytes = bs * keys * HKV * D * 2 * 2
-    plan = plan_attention(
-        num_reqs=bs,
-        num_tokens=bs * q_len,
-        num_kv_heads=HKV,
-        group=H // HKV,
-        head_dim=D,
-        max_q_len=q_len,
-        max_kv_len=c["max_kv_len"],
-        window=window,
-        num_sms=_num_sms(dev.type, dev.index),
-    )
+    plan = _plan(c, q_len, window)
     fn = _attention_fn(c, q_len, window, pdl=pdl)
     out = fn()
     err = None
@@ -216,7 +223,7 @@ def _attention_row(
         pct_of_copy=100 * tb_s / copy_tb_s,
         tflop_s=tflops,
         rel_err=err,
-        plan=plan,
+        plan=plan._asdict(),
         host_us=host,
         detail=f"{tb_s:.2f} TB/s ({100 * tb_s / copy_tb_s:.0f}% of copy), {tflops:.1f} TFLOP/s, "
         f"host {host:.0f} us" + (f", rel err {err:.1e}" if err is not None else ""),
@@ -243,34 +250,17 @@ def _guarded(ctx: Ctx, case: str, fn) -> None:
 def _step_row(ctx: Ctx, use_pdl: bool) -> dict:
     """A 32-layer decode step (store + SWA attention per layer) in one graph."""
     from ..kernels.kv_store import kv_store
-    from ..kernels.paged_attention import paged_attention, workspace_numel
 
     dev = ctx.device
     c = _case(8, 1, 2048, 1024, H, HKV, D, torch.bfloat16, dev, "swa")
     k_new = torch.randn(8, HKV, D, device=dev).to(torch.bfloat16)
     loc = torch.arange(1, 9, dtype=torch.int32, device=dev)
-    out = torch.empty_like(c["q"])
-    ws = torch.empty(workspace_numel(8, H, D), dtype=torch.float32, device=dev)
+    attend = _attention_fn(c, 1, 1024, pdl=use_pdl)
 
     def step():
         for _ in range(32):
             kv_store(k_new, k_new, c["k_cache"], c["v_cache"], loc, pdl=use_pdl)
-            paged_attention(
-                c["q"],
-                c["k_cache"],
-                c["v_cache"],
-                out,
-                cu_q_lens=c["cu"],
-                seq_lens=c["seq_lens"],
-                table=c["table"],
-                table_rows=c["rows"],
-                table_start=c["start"],
-                max_q_len=1,
-                max_kv_len=c["max_kv_len"],
-                window=1024,
-                workspace=ws,
-                pdl=use_pdl,
-            )
+            attend()
 
     step()
     us = ctx.timer.graph_us(step, rep_ms=20.0 if ctx.quick else 100.0)
@@ -331,50 +321,6 @@ def _metadata_row(ctx: Ctx, bs: int) -> dict:
     )
 
 
-def _sweep(ctx: Ctx, pdl: bool) -> None:
-    """Block sizes / warps / stages / splits of the SWA decode case and the prefill."""
-    for bs in (8, 32, 64):
-        c = _case(bs, 1, 8192, 4096, H, HKV, D, torch.bfloat16, ctx.device, "swa")
-        kv_bytes = bs * 4096 * HKV * D * 4
-        variants = [dict(num_splits=sp) for sp in (1, 2, 3, 4, 6, 8, 12, 16)]
-        if bs == 64:
-            variants += [
-                dict(num_splits=1, num_stages=2),
-                dict(num_splits=1, PHASES=True),
-                dict(num_splits=2, PHASES=True),
-                dict(num_splits=1, BLOCK_N=128, num_warps=8),
-            ]
-        for cfg in variants:
-
-            def one(cfg=cfg, c=c, bs=bs, kv_bytes=kv_bytes):
-                us = ctx.timer.graph_us(_attention_fn(c, 1, 4096, config=cfg, pdl=pdl), rep_ms=50.0)
-                return row(
-                    NAME, f"sweep decode bs{bs} {cfg}", "time", us, "us", config=cfg, tb_s=kv_bytes / (us * 1e-6) / 1e12
-                )
-
-            _guarded(ctx, f"sweep decode bs{bs} {cfg}", one)
-        del c
-        free_memory(ctx.timer)
-    c = _case(1, 8192, 8192, None, H, HKV, D, torch.bfloat16, ctx.device, "full")
-    flops = 4 * 8192 * H * D * 8192 / 2
-    for cfg in (
-        dict(PHASES=False),
-        dict(PHASES=True),
-        dict(PHASES=True, num_stages=3),
-        dict(PHASES=True, BLOCK_M=64, num_warps=4, num_stages=3),
-        dict(PHASES=True, BLOCK_N=128),
-        dict(PHASES=True, BLOCK_N=32, num_stages=3),
-    ):
-
-        def one(cfg=cfg, c=c):
-            us = ctx.timer.graph_us(_attention_fn(c, 8192, None, config=cfg, pdl=pdl), rep_ms=50.0)
-            return row(NAME, f"sweep prefill {cfg}", "time", us, "us", config=cfg, tflop_s=flops / (us * 1e-6) / 1e12)
-
-        _guarded(ctx, f"sweep prefill {cfg}", one)
-    del c
-    free_memory(ctx.timer)
-
-
 def run(ctx: Ctx) -> List[dict]:
     from ..kernels.pdl import pdl_supported
 
@@ -418,6 +364,4 @@ def run(ctx: Ctx) -> List[dict]:
         _guarded(ctx, f"kv_store T={T}", functools.partial(_store_row, ctx, T, pdl))
     for bs in (64, 1024):
         _guarded(ctx, f"step_metadata decode bs={bs} W4096", functools.partial(_metadata_row, ctx, bs))
-    if ctx.options.get("sweep"):
-        _sweep(ctx, pdl)
     return ctx.rows

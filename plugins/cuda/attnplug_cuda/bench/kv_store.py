@@ -40,7 +40,8 @@ TARGET_VS_BEFORE = 8.0
 def run(ctx: Ctx) -> List[dict]:
     from attnplug import SWAKVPool, SWATokenAllocator
 
-    from ..kernels import load_kernels, pdl_supported
+    from ..kernels import pdl_supported
+    from ..kernels.kv_store import kv_store as triton_store
 
     dev = torch.device("cuda", torch.cuda.current_device())
     rows: List[dict] = ctx.rows
@@ -56,7 +57,6 @@ def run(ctx: Ctx) -> List[dict]:
     vs = torch.randn_like(ks)
     loc_of = [swa_loc if pool.is_swa_layer(l) else out_cache_loc for l in range(NUM_LAYERS)]
 
-    triton_store = load_kernels().kv_store
     pdl_ok, pdl_reason = pdl_supported(dev)
     ctx.log(f"  PDL: {pdl_ok} ({pdl_reason})")
 

@@ -4,5 +4,4 @@
 
 #include <torch/extension.h>
 
-void attnplug_register_kv_store(pybind11::module_& m);       // kv_store_binding.cpp
-void attnplug_register_staged_attend(pybind11::module_& m);  // staged_attend_binding.cpp
+void attnplug_register_kv_store(pybind11::module_& m);  // kv_store_binding.cpp

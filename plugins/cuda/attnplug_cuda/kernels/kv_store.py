@@ -23,7 +23,7 @@ device, with no host check: slot 0 (the padding sink, where padded tokens point)
 slot", what ``full_to_swa_index_mapping`` gives for ``-1``) and any garbage value, negative
 or ``>= S``. The CUDA C++ store (``csrc/kv_store.cu``) applies the same rule.
 
-PDL: the kernel waits (``gdc_wait``) before reading k, v or loc, which its predecessor (the
+PDL (``pdl.PLAIN``): the kernel waits before reading k, v or loc, which its predecessor (the
 projection, the step's metadata) wrote, and releases its dependents after its stores.
 """
 
@@ -33,11 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import DTYPES, pdl_release, pdl_wait
 from .interpret import ensure_interpreter_compat
+from .pdl import PLAIN, launch_options
 
 __all__ = ["kv_store"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK = 4096  # elements one program handles per chunk (Hkv * D is usually <= 2048)
 
 ensure_interpreter_compat()
@@ -56,11 +57,10 @@ def _kv_store_kernel(
     HD: tl.constexpr,  # Hkv * D: one cache row
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.Schedule, or None
 ):
     t = tl.program_id(0).to(tl.int64)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    pdl_wait(PDL, "entry")
     slot = tl.load(Loc + t).to(tl.int64)
     if (slot >= 1) & (slot < num_slots):  # the sink, -1 and garbage are skipped
         k_row = K + t * stride_kt
@@ -74,8 +74,7 @@ def _kv_store_kernel(
             v = tl.load(v_row + offs, mask=mask)
             tl.store(kc_row + offs, k, mask=mask)
             tl.store(vc_row + offs, v, mask=mask)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_release(PDL, "end")
 
 
 def _check_rows(name: str, t: torch.Tensor, hkv: int, d: int) -> None:
@@ -110,7 +109,7 @@ def kv_store(
     assert v.shape[0] == T, f"k has {T} tokens, v has {v.shape[0]}"
     assert loc.dim() == 1 and loc.shape[0] == T, f"loc must be [{T}], got {tuple(loc.shape)}"
     assert loc.dtype in (torch.int32, torch.int64), f"loc must be int32 or int64, got {loc.dtype}"
-    assert k_cache.dtype in _DTYPES, f"cache dtype {k_cache.dtype} is not one of {_DTYPES}"
+    assert k_cache.dtype in DTYPES, f"cache dtype {k_cache.dtype} is not one of {DTYPES}"
     for name, t in (("k", k), ("v", v), ("v_cache", v_cache)):
         assert t.dtype == k_cache.dtype, f"{name} is {t.dtype}, the cache is {k_cache.dtype}"
     device = k_cache.device
@@ -124,7 +123,7 @@ def kv_store(
     # 16-byte accesses per thread: 8 fp16/bf16 (4 fp32) elements each.
     per_thread = 16 // k_cache.element_size()
     num_warps = max(1, min(8, block // (32 * per_thread)))
-    extra = {"launch_pdl": True} if pdl else {}
+    schedule = PLAIN if pdl else None
     _kv_store_kernel[(T,)](
         k,
         v,
@@ -137,7 +136,7 @@ def kv_store(
         HD=hd,
         BLOCK=block,
         NUM_CHUNKS=num_chunks,
-        PDL=pdl,
+        PDL=schedule,
         num_warps=num_warps,
-        **extra,
+        **launch_options(schedule),
     )

@@ -1,16 +1,33 @@
-"""Whether Programmatic Dependent Launch (PDL) can be used for kernels on a device.
+"""Programmatic Dependent Launch (PDL): whether a device can use it, and where a launch waits
+and releases.
 
 PDL (Hopper and later) lets a kernel start while its predecessor on the stream is still
 finishing: the dependent kernel runs its prologue, then blocks in ``gdc_wait`` (PTX
 ``griddepcontrol.wait``) until the predecessor's memory is visible; the predecessor calls
-``gdc_launch_dependents`` after its last store to let the dependent start early. Every kernel
-in this package takes a ``PDL: tl.constexpr`` and is launched with ``launch_pdl=True`` only
-when ``pdl_supported(device)`` says so. It is a run-time capability, never assumed:
+``gdc_launch_dependents`` to let the next launch start early. Every kernel of this package
+takes ``PDL: tl.constexpr``: ``None`` (launched without PDL) or a ``Schedule``, and is
+launched with ``launch_pdl=True`` only with one. Whether PDL is used is a run-time capability
+(``pdl_supported``), decided at compile time for each launch, never assumed:
 
 * the device is a CUDA device (not ROCm) of compute capability >= 9.0;
 * Triton >= 3.5 is installed (``tl.extra.cuda.gdc_*`` and the ``launch_pdl`` option);
 * the Triton interpreter is off (``TRITON_INTERPRET``), since it has no ``gdc_*``;
 * the environment does not set ``ATTNPLUG_DISABLE_PDL=1``.
+
+The schedules (``Schedule(wait, release)``):
+
+* ``PLAIN``: wait before the first load, release after the last store. Every kernel that
+  reads what its predecessor wrote without more knowledge runs so.
+* ``EARLY``: wait first, release right after the wait (the next launch's prologue overlaps
+  this kernel's work).
+* ``PROLOGUE``: first read what no kernel of the last two launches wrote (the step's
+  metadata, cached K/V of earlier positions), then wait, then release. Where each kernel of
+  a chain waits before it releases the next, every kernel two or more launches back has
+  completed when a launch starts, so that data is final. Never the first launch after the
+  kernel that writes the step's metadata.
+* ``PROLOGUE_ENTRY``: as ``PROLOGUE``, releasing at entry. Such a launch may start while
+  earlier ones still run, so it may read before its wait only what was written before the
+  step's first attention launch (which never releases at entry).
 
 This module imports neither Triton nor the CUDA runtime at import time, and for a non-CUDA
 device (``cpu`` included) it answers without initialising CUDA.
@@ -19,7 +36,7 @@ device (``cpu`` included) it answers without initialising CUDA.
 from __future__ import annotations
 
 import functools
-from typing import Tuple, Union
+from typing import NamedTuple, Tuple, Union
 
 import torch
 
@@ -28,10 +45,31 @@ from attnplug.versions import at_least, dotted
 
 from .interpret import interpreting
 
-__all__ = ["pdl_supported", "MIN_TRITON_VERSION"]
+__all__ = ["pdl_supported", "MIN_TRITON_VERSION", "Schedule", "PLAIN", "EARLY", "PROLOGUE", "PROLOGUE_ENTRY"]
 
 #: oldest Triton whose ``tl.extra.cuda`` has ``gdc_wait`` / ``gdc_launch_dependents``
 MIN_TRITON_VERSION = (3, 5)
+
+
+class Schedule(NamedTuple):
+    """Where a PDL launch waits (``"entry"`` or ``"prologue"``) and where it lets the next
+    launch start (``"end"``, ``"wait"`` or ``"entry"``); module docstring."""
+
+    wait: str
+    release: str
+
+    def check(self) -> "Schedule":
+        if self.wait not in ("entry", "prologue") or self.release not in ("end", "wait", "entry"):
+            raise ValueError(f"not a PDL schedule: {self}")
+        if self.release == "entry" and self.wait != "prologue":
+            raise ValueError(f"a launch released at entry reads before its wait: {self}")
+        return self
+
+
+PLAIN = Schedule("entry", "end")
+EARLY = Schedule("entry", "wait")
+PROLOGUE = Schedule("prologue", "wait")
+PROLOGUE_ENTRY = Schedule("prologue", "entry")
 
 
 def _triton_status() -> Tuple[bool, str]:
@@ -73,3 +111,8 @@ def pdl_supported(device: Union[torch.device, str, int, None]) -> Tuple[bool, st
     if (major, minor) < (9, 0):
         return False, f"compute capability {major}.{minor} < 9.0"
     return True, f"compute capability {major}.{minor}, {reason}"
+
+
+def launch_options(pdl: "Schedule | None") -> dict:
+    """The launch keyword a kernel with this schedule takes (``launch_pdl`` with PDL)."""
+    return {"launch_pdl": True} if pdl is not None else {}

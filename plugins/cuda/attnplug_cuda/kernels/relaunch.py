@@ -16,11 +16,11 @@ interpreter), it re-runs the normal path.
 Host work per call: one current-stream lookup and the compiled launcher (plus one tuple
 concatenation when the per-step arguments are replaced). The launcher takes a tensor argument
 either as a tensor (then it calls ``data_ptr()`` and asks the driver whether the address is
-device memory, on every launch) or as the address itself: the captured arguments are passed
-as their addresses, resolved once here (their tensors are held, so the memory stays theirs),
-while per-step tensors are passed as tensors and so still checked by the launcher on each
-call. The launch-metadata call is made only when a launch hook is set (it returns nothing
-otherwise).
+device memory, on every launch) or as the address itself: the captured arguments (tensors in
+tuple arguments too) are passed as their addresses, resolved once here (their tensors are
+held, so the memory stays theirs), while per-step tensors are passed as tensors and so still
+checked by the launcher on each call. The launch-metadata call is made only when a launch
+hook is set (it returns nothing otherwise).
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ class Relaunch:
 
 
 def _address(arg: Any) -> Any:
-    """A tensor argument as its address (what the launcher reads from it); anything else as is."""
+    """A tensor argument as its address (what the launcher reads from it), a tuple argument
+    with its tensors so (a named tuple stays one); anything else as is."""
+    if isinstance(arg, tuple):
+        items = [_address(a) for a in arg]
+        return type(arg)(*items) if hasattr(arg, "_fields") else tuple(items)
     data_ptr = getattr(arg, "data_ptr", None)
     return data_ptr() if callable(data_ptr) else arg

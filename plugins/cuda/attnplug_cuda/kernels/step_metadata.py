@@ -63,7 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_release, pdl_wait
 from .interpret import ensure_interpreter_compat
+from .pdl import PLAIN, launch_options
 from .relaunch import Relaunch
 
 __all__ = ["step_metadata", "per_step_args", "PaddedCopy"]
@@ -91,6 +93,19 @@ _PER_STEP = (
 )
 
 
+class WindowTable(NamedTuple):
+    """The SWA window table's inputs and output, a kernel argument as it is: ``req_to_token``
+    [R, C] int32 (contiguous rows), ``table`` [>= bs, width] int32 (contiguous rows)."""
+
+    req_to_token: torch.Tensor
+    r2t_stride: int
+    r2t_rows: int
+    r2t_cols: int
+    table: torch.Tensor
+    table_stride: int
+    width: int
+
+
 @triton.jit(do_not_specialize=_PER_STEP)
 def _step_metadata_kernel(
     ReqPoolIdx,
@@ -103,45 +118,29 @@ def _step_metadata_kernel(
     stride_seq,
     stride_loc,
     stride_pos,
-    ExtLens,
-    DstReqPoolIdx,
-    DstSeqLens,
-    DstOutCacheLoc,
-    DstPositions,
-    Mapping,
-    ReqToToken,
-    SwaLoc,
+    ExtLens,  # [bs] new tokens of each request, or None: q_len_uniform each
+    q_len_uniform,
+    Padded,  # PaddedCopy: the static tensors the step is copied into, padded; or None
+    Mapping,  # full_to_swa_index_mapping [M], or None (no SWA outputs)
+    mapping_len,  # M
+    SwaLoc,  # swa_out_cache_loc [L], or None
+    loc_len,  # L
+    Window,  # WindowTable, or None
+    window,  # int, or None: window_start is 0
     CuQ,
     WinStart,
     TokenPos,
-    Table,
     padded_tokens,  # tokens of the padded step (== num_tokens without padding)
-    loc_len,  # L: length of the swa_out_cache_loc buffer
-    mapping_len,  # M
-    stride_r2t,
-    r2t_rows,  # R
-    r2t_cols,  # C
-    stride_table,
-    width,
-    q_len_uniform,
-    window,
     fill_value,  # seq_lens of a padded request
     NB_LOC,
     NCHUNK,
-    UNIFORM: tl.constexpr,
-    HAS_SWA: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_TABLE: tl.constexpr,
-    COPY: tl.constexpr,
-    HAS_POS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_BS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.Schedule, or None
 ):
     pid = tl.program_id(0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    pdl_wait(PDL, "entry")
     if pid < NB_LOC:
         # ---- role 1: token block: the padded copy, translate out_cache_loc, zero the tail
         if pid == 0:
@@ -150,12 +149,12 @@ def _step_metadata_kernel(
         real = offs < num_tokens
         padded = offs < padded_tokens
         full = tl.load(OutCacheLoc + offs * stride_loc, mask=real, other=0)  # padded tokens: slot 0
-        if COPY:
-            tl.store(DstOutCacheLoc + offs, full, mask=padded)
-            if HAS_POS:
+        if Padded is not None:
+            tl.store(Padded.out_cache_loc + offs, full, mask=padded)
+            if Padded.positions is not None:
                 new_pos = tl.load(Positions + offs * stride_pos, mask=real, other=0)
-                tl.store(DstPositions + offs, new_pos, mask=padded)
-        if HAS_SWA:
+                tl.store(Padded.positions + offs, new_pos, mask=padded)
+        if SwaLoc is not None:
             in_map = (full >= 0) & (full < mapping_len)  # -1 and garbage: no slot, never a wrap
             swa = tl.load(Mapping + full, mask=padded & in_map, other=-1)
             swa = tl.where(padded, swa, 0)
@@ -168,17 +167,17 @@ def _step_metadata_kernel(
         real_req = b < num_reqs
         seq_in = tl.load(SeqLens + b * stride_seq, mask=real_req, other=fill_value)
         seq = seq_in.to(tl.int32)
-        if UNIFORM:
+        if ExtLens is None:
             q_len = q_len_uniform
         else:
             q_len = tl.load(ExtLens + b).to(tl.int32)
-        if HAS_WINDOW:
+        if window is not None:
             ws = tl.maximum(seq - q_len - window + 1, 0)
         else:
             ws = seq * 0
         row_in = tl.load(ReqPoolIdx + b * stride_req, mask=real_req, other=0)  # padded requests: row 0
         if c == 0:
-            if UNIFORM:
+            if ExtLens is None:
                 start = b * q_len_uniform
             else:
                 start = b * 0
@@ -191,22 +190,22 @@ def _step_metadata_kernel(
             for i in range(0, q_len, BLOCK_T):
                 offs_q = i + tl.arange(0, BLOCK_T)
                 tl.store(TokenPos + start + offs_q, seq - q_len + offs_q, mask=offs_q < q_len)
-            if COPY:
-                tl.store(DstSeqLens + b, seq_in)
-                tl.store(DstReqPoolIdx + b, row_in)
-        if HAS_TABLE:
+            if Padded is not None:
+                tl.store(Padded.seq_lens + b, seq_in)
+                tl.store(Padded.req_pool_indices + b, row_in)
+        if Window is not None:
             row = row_in.to(tl.int64)
-            row = tl.where((row >= 0) & (row < r2t_rows), row, 0)  # outside the table: row 0
+            row = tl.where((row >= 0) & (row < Window.r2t_rows), row, 0)  # outside the table: row 0
             cols = c * BLOCK_W + tl.arange(0, BLOCK_W)
             pos = ws + cols
-            valid = (pos >= 0) & (pos < seq) & (pos < r2t_cols) & (cols < width)
-            f_slot = tl.load(ReqToToken + row * stride_r2t + pos, mask=valid, other=0)
+            valid = (pos >= 0) & (pos < seq) & (pos < Window.r2t_cols) & (cols < Window.width)
+            f_slot = tl.load(Window.req_to_token + row * Window.r2t_stride + pos, mask=valid, other=0)
             f_in_map = (f_slot >= 0) & (f_slot < mapping_len)
             s_slot = tl.load(Mapping + f_slot, mask=valid & f_in_map, other=0)
             s_slot = tl.where(valid, s_slot, 0)
-            tl.store(Table + b.to(tl.int64) * stride_table + cols, s_slot.to(tl.int32), mask=cols < width)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+            dst = Window.table + b.to(tl.int64) * Window.table_stride + cols
+            tl.store(dst, s_slot.to(tl.int32), mask=cols < Window.width)
+    pdl_release(PDL, "end")
 
 
 def _check_1d(name: str, t: torch.Tensor, min_len: int, dtypes, device: torch.device, *, strided: bool = False) -> None:
@@ -305,12 +304,12 @@ def step_metadata(
             f"extend_lens must be an int >= 1, got {extend_lens!r}"
         )
         assert T == bs * extend_lens, f"{bs} requests x q_len {extend_lens} != {T} tokens"
-        ext_arg, q_uniform = cu_q_lens, int(extend_lens)  # ExtLens unused when UNIFORM
+        q_uniform = int(extend_lens)
     else:
         assert padded is None, "padded needs a uniform q_len (an int extend_lens)"
         _check_1d("extend_lens", extend_lens, bs, idx, device)
         assert extend_lens.shape[0] == bs, f"extend_lens has {extend_lens.shape[0]} entries, expected {bs}"
-        ext_arg, q_uniform = extend_lens, 1
+        q_uniform = 1
     grid_bs, grid_T = bs, T
     copy_pos = False
     if padded is not None:
@@ -351,54 +350,46 @@ def step_metadata(
         ), f"swa_window_table must be [>= {grid_bs}, width] int32 with contiguous rows, got {tuple(t.shape)} {t.dtype}"
         assert t.device == device, f"swa_window_table is on {t.device}, expected {device}"
 
-    mapping = full_to_swa_index_mapping if full_to_swa_index_mapping is not None else cu_q_lens
     loc_len = swa_out_cache_loc.shape[0] if has_swa else 0
     nb_loc = max(1, triton.cdiv(max(loc_len, grid_T if padded is not None else 0), _BLOCK_T))
-    width = swa_window_table.shape[1] if has_table else 0
-    nchunk = max(1, triton.cdiv(width, _BLOCK_W)) if has_table else 1
-    r2t = req_to_token if has_table else cu_q_lens
+    nchunk = max(1, triton.cdiv(swa_window_table.shape[1], _BLOCK_W)) if has_table else 1
     grid = (nb_loc + grid_bs * nchunk,)
-    extra = {"launch_pdl": True} if pdl else {}
+    schedule = PLAIN if pdl else None
     args = (
         *per_step_args(req_pool_indices, seq_lens, out_cache_loc, positions),
-        ext_arg,
-        padded.req_pool_indices if padded is not None else req_pool_indices,
-        padded.seq_lens if padded is not None else seq_lens,
-        padded.out_cache_loc if padded is not None else out_cache_loc,
-        padded.positions if copy_pos else out_cache_loc,
-        mapping,
-        r2t,
-        swa_out_cache_loc if has_swa else cu_q_lens,
+        None if uniform else extend_lens,
+        q_uniform,
+        padded._replace(positions=padded.positions if copy_pos else None) if padded is not None else None,
+        full_to_swa_index_mapping,
+        full_to_swa_index_mapping.shape[0] if full_to_swa_index_mapping is not None else 0,
+        swa_out_cache_loc,
+        loc_len,
+        WindowTable(
+            req_to_token,
+            req_to_token.stride(0),
+            req_to_token.shape[0],
+            req_to_token.shape[1],
+            swa_window_table,
+            swa_window_table.stride(0),
+            swa_window_table.shape[1],
+        )
+        if has_table
+        else None,
+        window,
         cu_q_lens,
         window_start,
         token_pos,
-        swa_window_table if has_table else cu_q_lens,
         grid_T,
-        loc_len,
-        mapping.shape[0],
-        r2t.stride(0) if has_table else 0,
-        r2t.shape[0] if has_table else 0,
-        r2t.shape[1] if has_table else 0,
-        swa_window_table.stride(0) if has_table else 0,
-        width,
-        q_uniform,
-        window if window is not None else 0,
         fill_value,
         nb_loc,
         nchunk,
     )
     meta = dict(
-        UNIFORM=uniform,
-        HAS_SWA=has_swa,
-        HAS_WINDOW=window is not None,
-        HAS_TABLE=has_table,
-        COPY=padded is not None,
-        HAS_POS=copy_pos,
         BLOCK_T=_BLOCK_T,
         BLOCK_W=_BLOCK_W,
         BLOCK_BS=min(triton.next_power_of_2(max(grid_bs, 1)), _MAX_BLOCK_BS),
-        PDL=pdl,
+        PDL=schedule,
         num_warps=4,
-        **extra,
+        **launch_options(schedule),
     )
     return Relaunch(_step_metadata_kernel, grid, args, meta, per_step=len(_PER_STEP))

@@ -1,4 +1,5 @@
-"""Compile the plugin's Triton launches for sm_90 on a machine without a GPU, as a GPU would.
+"""Compile the plugin's Triton launches for sm_90 on a machine without a GPU, as a GPU would
+(the tests' compile checks: ``sm90_compile.py``, the probes of ``test_offline_compile.py``).
 
 A Triton kernel compiled by hand (``triton.compile`` of an ``ASTSource``) is only the kernel
 a GPU runs when it carries the same specialisation as a real launch: which pointers are

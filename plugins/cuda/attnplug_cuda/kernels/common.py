@@ -1,0 +1,280 @@
+"""What the attention kernels share: the key table, the logits and online-softmax steps, the
+host checks and the scales.
+
+Both attention kernels (``paged_attention``, ``store_attend``) read keys through a slot table
+and fold key blocks into a running base-2 softmax the same way; this module is the one place
+that says how.
+
+* ``KeyTable``: where each request's keys are. The slot of key position ``j`` of request
+  ``b`` is ``table[rows[b], j - start[b]]`` (``start`` None: 0). Full layers pass
+  ``req_to_token`` with ``rows = req_pool_indices``; SWA layers the step's window table with
+  ``rows = arange(bs)`` and ``start = window_start``, so they read only the keys the window
+  reaches. A ``rows`` entry outside ``[0, num_rows)`` reads row 0; a slot outside ``[1, S)``
+  (0 = the padding sink, -1 = no slot) is no key.
+* Logits: ``s = sm_scale * q.k`` in base 2 (``qk_scale = sm_scale * log2(e)``), or with a
+  soft cap ``c``: ``c * tanh(sm_scale * q.k / c)`` (``qk_scale = sm_scale / c``,
+  ``softcap_log2 = c * log2(e)``: ``log2_scales``). A column with no key gets ``-inf`` (a
+  bias folded into the scaling multiply-add, never a multiplication by a zero weight), so it
+  contributes exactly zero whatever its slot holds, NaN and Inf included.
+* Sinks: float32 ``[H]`` per-head logits (natural log) that join the softmax denominator
+  once (``fold_sink``).
+
+Optional inputs are ``None`` in a kernel's arguments (Triton compiles the branch out), never a
+flag beside a placeholder tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "KeyTable",
+    "NewRows",
+    "check_attention_args",
+    "check_new_rows",
+    "log2_scales",
+    "num_sms",
+    "DTYPES",
+]
+
+LOG2E = 1.4426950408889634
+#: the dtypes of q, the cache and the output every attention kernel serves
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class KeyTable(NamedTuple):
+    """Where each request's keys are (module docstring); a kernel argument as it is.
+
+    ``table`` [R, width] int32 (contiguous rows), ``rows`` [>= bs] int32/int64, ``start``
+    [>= bs] int32/int64 or None; ``stride``, ``width`` and ``num_rows`` are the table's
+    (``KeyTable.of`` fills them in)."""
+
+    table: torch.Tensor
+    rows: torch.Tensor
+    start: Optional[torch.Tensor]
+    stride: int
+    width: int
+    num_rows: int
+
+    @classmethod
+    def of(cls, table: torch.Tensor, rows: torch.Tensor, start: Optional[torch.Tensor] = None) -> "KeyTable":
+        return cls(table, rows, start, table.stride(0), table.shape[1], table.shape[0])
+
+
+class NewRows(NamedTuple):
+    """The step's new K/V rows a kernel stores before it attends: ``k``, ``v`` [T, Hkv, D] in
+    q's dtype (last dim contiguous, heads dense, token strides free), ``loc`` [>= T]
+    int32/int64 (a slot in ``[1, S)`` is stored, anything else skipped)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    loc: torch.Tensor
+    stride_k: int
+    stride_v: int
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> "NewRows":
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            raise ValueError("k and v are needed with loc (the rows to store)")
+        return cls(k, v, loc, k.stride(0), v.stride(0))
+
+
+# ----------------------------------------------------------------------------- device code
+@triton.jit
+def tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1), with exp through exp2 of x clamped to [-15, 15]
+    (tanh(15) rounds to 1 in fp32): never inf, never NaN."""
+    e = tl.math.exp2(tl.minimum(tl.maximum(x, -15.0), 15.0) * 2.8853900817779268)  # 2 * log2(e)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def table_entry(keys, b):
+    """Request ``b``'s row index in the key table and its ``start`` (0 without one)."""
+    t_idx = tl.load(keys.rows + b).to(tl.int64)
+    if keys.start is not None:
+        t_start = tl.load(keys.start + b).to(tl.int32)
+    else:
+        t_start = 0
+    return t_idx, t_start
+
+
+@triton.jit
+def table_row(keys, t_idx):
+    """The key table's row ``t_idx`` (a row outside the table reads row 0)."""
+    t_idx = tl.where((t_idx >= 0) & (t_idx < keys.num_rows), t_idx, 0)
+    return keys.table + t_idx * keys.stride
+
+
+@triton.jit
+def key_slots(t_row, start, s_hi, t_start, width, num_slots, BLOCK_N: tl.constexpr, IN_RANGE: tl.constexpr):
+    """Positions ``start + [0, BLOCK_N)``, their cache slots and which of them are keys. A
+    column outside the table, or with ``IN_RANGE`` a position at or past ``s_hi``, reads slot
+    0; a slot outside ``[1, num_slots)`` is no key."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    col = offs_n - t_start
+    if IN_RANGE:
+        slot = tl.load(t_row + col, mask=(offs_n < s_hi) & (col >= 0) & (col < width), other=0)
+    else:
+        slot = tl.load(t_row + col, mask=(col >= 0) & (col < width), other=0)
+    return offs_n, slot, (slot >= 1) & (slot < num_slots)
+
+
+@triton.jit
+def scaled_logits(qk, no_key, qk_scale, softcap_log2):
+    """Base-2 logits of a ``[rows, keys]`` product plus ``no_key`` (``[keys]``: 0, or ``-inf``
+    where a column has no key)."""
+    if softcap_log2 is not None:
+        return tanh(qk * qk_scale) * softcap_log2 + no_key[None, :]
+    return qk * qk_scale + no_key[None, :]
+
+
+@triton.jit
+def causal_window(qk, offs_n, in_range, pos, lo, window):
+    """``-inf`` for each (row, key) a row must not see: past its position ``pos``, outside the
+    range, and with a window below its ``lo``."""
+    keep = (offs_n[None, :] <= pos[:, None]) & in_range[None, :]
+    if window is not None:
+        keep = keep & (offs_n[None, :] >= lo[:, None])
+    return tl.where(keep, qk, float("-inf"))
+
+
+@triton.jit
+def softmax_block(qk, m_i, l_i):
+    """One block's logits into the running max ``m_i`` and sum ``l_i``: ``(p, alpha, m, l)``,
+    the accumulator then becomes ``acc * alpha + p @ v``."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def fold_sink(m_i, l_i, acc, Sinks, head, row_valid):
+    """The heads' sinks into an unsplit result's denominator: ``(l_i, acc)``."""
+    sink = tl.load(Sinks + head, mask=row_valid, other=0.0) * 1.4426950408889634
+    m_fin = tl.maximum(m_i, sink)
+    alpha = tl.math.exp2(m_i - m_fin)
+    return l_i * alpha + tl.math.exp2(sink - m_fin), acc * alpha[:, None]
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr, AT: tl.constexpr):
+    """``gdc_wait`` here when the launch's PDL schedule (``pdl.Schedule``) waits at ``AT``."""
+    if PDL is not None:
+        if PDL.wait == AT:
+            tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr, AT: tl.constexpr):
+    """``gdc_launch_dependents`` here when the launch's PDL schedule releases at ``AT``."""
+    if PDL is not None:
+        if PDL.release == AT:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+# ----------------------------------------------------------------------------- host side
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_type: str, index: Optional[int]) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(
+            index if index is not None else torch.cuda.current_device()
+        ).multi_processor_count
+    return 8  # the interpreter on the host: a small stand-in
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of ``device`` (8 off CUDA: the interpreter's stand-in)."""
+    return _sm_count(device.type, device.index)
+
+
+def log2_scales(sm_scale: Optional[float], softcap: Optional[float], head_dim: int) -> Tuple[float, Optional[float]]:
+    """``(qk_scale, softcap_log2)`` the kernels take (module docstring); ``softcap_log2`` is
+    None without a cap. ``sm_scale`` None: ``1 / sqrt(head_dim)``."""
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    if softcap is not None:
+        return scale / softcap, float(softcap) * LOG2E
+    return scale * LOG2E, None
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    keys: KeyTable,
+    window: Optional[int],
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor],
+) -> Tuple[int, int, int, int, int, int]:
+    """The host checks of every attention launcher (shapes, dtypes, devices, layouts, the
+    scalar options); returns ``(T, H, D, Hkv, G, bs)``."""
+    assert q.dim() == 3 and out.shape == q.shape, f"q {tuple(q.shape)} and out {tuple(out.shape)} must be [T, H, D]"
+    T, H, D = q.shape
+    assert k_cache.dim() == 3 and k_cache.shape[2] == D, f"k_cache must be [S, Hkv, {D}], got {tuple(k_cache.shape)}"
+    assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous"
+    hkv = k_cache.shape[1]
+    assert H % hkv == 0, f"{H} q heads are not a multiple of {hkv} kv heads"
+    assert q.dtype in DTYPES, f"q dtype {q.dtype} is not one of {DTYPES}"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        assert t.dtype == q.dtype, f"{name} is {t.dtype}, q is {q.dtype}"
+    assert q.stride(2) == 1 and out.stride(2) == 1, "q and out need a contiguous last dim"
+    assert D >= 16, f"head_dim {D} < 16 is not supported"
+    bs = cu_q_lens.shape[0] - 1
+    assert cu_q_lens.dim() == 1 and bs >= 0 and cu_q_lens.dtype == torch.int32, "cu_q_lens must be [bs + 1] int32"
+    assert seq_lens.dim() == 1 and seq_lens.shape[0] >= bs and seq_lens.dtype in (torch.int32, torch.int64)
+    table = keys.table
+    assert table.dim() == 2 and table.dtype == torch.int32 and (table.stride(1) == 1 or table.shape[1] <= 1), (
+        f"table must be [R, width] int32 with contiguous rows, got {tuple(table.shape)} {table.dtype}"
+    )
+    assert keys.rows.dim() == 1 and keys.rows.shape[0] >= bs and keys.rows.dtype in (torch.int32, torch.int64)
+    if keys.start is not None:
+        assert keys.start.dim() == 1 and keys.start.shape[0] >= bs
+        assert keys.start.dtype in (torch.int32, torch.int64)
+    named = (("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("cu_q_lens", cu_q_lens))
+    named += (("seq_lens", seq_lens), ("table", table), ("table_rows", keys.rows), ("table_start", keys.start))
+    for name, t in named:
+        assert t is None or t.device == q.device, f"{name} is on {t.device}, q on {q.device}"
+    if window is not None:
+        assert isinstance(window, int) and window >= 1, f"window must be None or an int >= 1, got {window!r}"
+    if softcap is not None:
+        assert math.isfinite(softcap) and softcap > 0, f"softcap must be None or a finite float > 0, got {softcap!r}"
+    if sinks is not None:
+        assert sinks.shape == (H,) and sinks.dtype == torch.float32 and sinks.is_contiguous(), (
+            f"sinks must be contiguous float32 [{H}], got {tuple(sinks.shape)} {sinks.dtype}"
+        )
+        assert sinks.device == q.device, f"sinks is on {sinks.device}, q on {q.device}"
+    return T, H, D, hkv, H // hkv, bs
+
+
+def check_new_rows(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, q: torch.Tensor, num_kv_heads: int) -> None:
+    """The host checks of the step's new K/V rows an attention kernel stores (``NewRows``):
+    ``k``, ``v`` ``[T, Hkv, D]`` in q's dtype on q's device with a contiguous last dim and
+    dense heads, ``loc`` ``[>= T]`` int32/int64 on q's device."""
+    T, _, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        assert t is not None, f"{name} is needed with loc (the rows to store)"
+        assert t.dim() == 3 and t.shape == (T, num_kv_heads, D), (
+            f"{name} must be [{T}, {num_kv_heads}, {D}], got {tuple(t.shape)}"
+        )
+        assert t.stride(2) == 1 and (num_kv_heads == 1 or t.stride(1) == D), (
+            f"{name} needs a contiguous last dim, dense heads"
+        )
+        assert t.dtype == q.dtype and t.device == q.device, (
+            f"{name} is {t.dtype} on {t.device}, q {q.dtype} on {q.device}"
+        )
+    assert loc.dim() == 1 and loc.shape[0] >= T and loc.dtype in (torch.int32, torch.int64), (
+        f"loc must be [>= {T}] int32/int64, got {tuple(loc.shape)} {loc.dtype}"
+    )
+    assert loc.device == q.device, f"loc is on {loc.device}, q on {q.device}"

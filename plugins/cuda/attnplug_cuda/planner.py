@@ -1,0 +1,346 @@
+"""The one planner of the cuda backend: a step's shape, the device and the tuning -> how each
+kind of layer runs.
+
+``plan_step`` decides once per step (from host ints only: the grid never depends on device
+values) which path the step's layers take and, for the full and the SWA layers, the kernel
+plan and the PDL schedules of their launches:
+
+* ``ONE_LAUNCH``: ``store_attend`` alone (the step's K/V stored, attention, KV splits merged
+  by the last program of each (request, kv head) group), for decode and draft steps of up to
+  ``one_launch_rows`` (token, q head) rows a request and ``one_launch_groups_per_sm`` groups an
+  SM; with the C++ KV store, a store launch first and ``store_attend`` storing nothing;
+* ``PAGED_STORE``: ``paged_attention`` alone, storing the step's K/V in its launch (other
+  decode and draft steps of up to ``paged_store_rows`` rows a request, the Triton store);
+* ``TWO_LAUNCH``: a KV store launch, then ``paged_attention`` (and its split combine).
+
+The kernel plans (``OneLaunchPlan``, ``PagedPlan``) are the kernels' compile-time choices,
+passed to them whole (``PLAN: tl.constexpr``); ``plan_one_launch`` and ``plan_paged`` are the
+heuristics, each rule with the reason it holds (the measurements behind them are in
+``docs/benchmarks.md`` and the history of this file). No autotuning: a launch must be
+capturable in a CUDA graph, and the same shape must always get the same kernel.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from .kernels.pdl import EARLY, PLAIN, PROLOGUE, PROLOGUE_ENTRY, Schedule
+from .tuning import CudaTuning
+
+__all__ = [
+    "Path",
+    "OneLaunchPlan",
+    "PagedPlan",
+    "LayerPlan",
+    "StepPlan",
+    "AttentionShape",
+    "plan_step",
+    "plan_one_launch",
+    "plan_paged",
+    "one_launch_serves",
+    "one_launch_workspace_numel",
+    "paged_workspace_numel",
+]
+
+
+class Path(enum.Enum):
+    """How one layer of a step runs (module docstring)."""
+
+    ONE_LAUNCH = "one launch: store_attend"
+    PAGED_STORE = "paged_attention storing the step"
+    TWO_LAUNCH = "KV store, then paged_attention"
+
+
+class OneLaunchPlan(NamedTuple):
+    """``store_attend``'s plan for one launch shape.
+
+    ``ROWS``: the (token, q head) rows of a request, a power of two (the partials' rows);
+    ``TOKENS``: its new tokens, a power of two (the store's tile); ``BLOCK_N``: keys a block;
+    ``NUM_SPLITS``: KV splits of a group (a power of two); ``MERGE_CHUNK``: splits merged a
+    trip (divides ``NUM_SPLITS``); ``OWN_BLOCK``: the first key block laid out for the
+    products before the PDL wait, the step's own keys folded in after the cached ones;
+    ``num_warps`` / ``num_stages``: the launch's."""
+
+    ROWS: int
+    TOKENS: int
+    BLOCK_N: int
+    NUM_SPLITS: int
+    MERGE_CHUNK: int
+    OWN_BLOCK: bool
+    num_warps: int
+    num_stages: int
+
+
+class PagedPlan(NamedTuple):
+    """``paged_attention``'s plan for one launch shape: ``BLOCK_M`` rows and ``BLOCK_N`` keys a
+    tile, ``NUM_SPLITS`` KV splits (flash-decoding, merged by the combine kernel), ``PHASES``
+    (the blocks every row sees whole in an unmasked loop of their own), ``PREFETCH`` (key
+    blocks whose cached K/V lines go to L2 before a PDL prologue's wait), the launch's
+    ``num_warps`` / ``num_stages``."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    NUM_SPLITS: int
+    PHASES: bool
+    PREFETCH: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend instance fixes: heads, head dim, the widest context
+    (``req_to_token``'s columns), the window (None without SWA layers), the device's SMs."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context_len: int
+    window: Optional[int]
+    num_sms: int
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def table_width(self, max_q_len: int) -> int:
+        """Columns of the SWA window table of a step of up to ``max_q_len`` tokens a request."""
+        return min(self.max_context_len, self.window + max_q_len - 1)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one kind of layer (full or SWA) of a step runs: its kernel plan, and the PDL
+    schedules of its attention launch as the step's first launch after the metadata launch
+    (``first``) and later (``later``); both None without PDL."""
+
+    kernel: object  # OneLaunchPlan or PagedPlan
+    first: Optional[Schedule]
+    later: Optional[Schedule]
+
+    def schedule(self, after_metadata: bool) -> Optional[Schedule]:
+        return self.first if after_metadata else self.later
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's path and its full and SWA layers' plans (``swa`` None without SWA layers)."""
+
+    path: Path
+    full: LayerPlan
+    swa: Optional[LayerPlan]
+
+    def layer(self, is_swa: bool) -> LayerPlan:
+        return self.swa if is_swa else self.full
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- the step
+def one_launch_serves(num_reqs: int, num_kv_heads: int, max_q_len: int, group: int, num_sms: int, t: CudaTuning):
+    """Whether ``store_attend`` serves a step: its rows of a request fit one tile and there are
+    at most ``one_launch_groups_per_sm`` (request, kv head) groups an SM (larger batches run
+    faster through ``paged_attention``, whose programs stream the cache)."""
+    return (
+        1 <= max_q_len * group <= t.one_launch_rows and num_reqs * num_kv_heads <= t.one_launch_groups_per_sm * num_sms
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_step(
+    shape: AttentionShape, num_reqs: int, num_tokens: int, max_q_len: int, tuning: CudaTuning, pdl: bool
+) -> StepPlan:
+    """The plan of a step of ``num_reqs`` requests, ``num_tokens`` new tokens, up to
+    ``max_q_len`` of them a request (module docstring); ``pdl``: the backend launches with PDL."""
+    s, t = shape, tuning
+    kinds = [(None, s.max_context_len)]
+    if s.window is not None:
+        kinds.append((s.window, s.table_width(max_q_len)))
+    one = t.one_launch and one_launch_serves(num_reqs, s.num_kv_heads, max_q_len, s.group, s.num_sms, t)
+    rows = max(1, max_q_len) * s.group
+    if one:
+        path = Path.ONE_LAUNCH
+    elif t.paged_store and t.kv_store == "triton" and rows <= t.paged_store_rows:
+        path = Path.PAGED_STORE
+    else:
+        path = Path.TWO_LAUNCH
+    plans = []
+    for window, max_kv_len in kinds:
+        common = dict(num_reqs=num_reqs, num_kv_heads=s.num_kv_heads, group=s.group, head_dim=s.head_dim)
+        common.update(max_q_len=max_q_len, max_kv_len=max_kv_len, window=window, num_sms=s.num_sms, tuning=t)
+        if path is Path.ONE_LAUNCH:
+            kernel = plan_one_launch(**common)
+            # decode steps whose groups fill a sixteenth of the SMs release at entry, so their
+            # layout before the wait overlaps the layers before them
+            entry = kernel.OWN_BLOCK and 16 * num_reqs * s.num_kv_heads >= s.num_sms
+            first, later = EARLY, PROLOGUE_ENTRY if entry else PROLOGUE
+        else:
+            kernel = plan_paged(num_tokens=num_tokens, **common)
+            first, later = (EARLY, PROLOGUE) if path is Path.PAGED_STORE else (PLAIN, PLAIN)
+        plans.append(LayerPlan(kernel, first if pdl else None, later if pdl else None))
+    return StepPlan(path, plans[0], plans[1] if len(plans) > 1 else None)
+
+
+# ----------------------------------------------------------------------------- store_attend
+@functools.lru_cache(maxsize=4096)
+def plan_one_launch(
+    *,
+    num_reqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_q_len: int,
+    max_kv_len: int,
+    window: Optional[int],
+    num_sms: int,
+    tuning: CudaTuning,
+) -> OneLaunchPlan:
+    """``store_attend``'s plan: key blocks, warps, stages and KV splits for one launch shape.
+    ``max_kv_len`` is a host bound of the keys a request reads (the table's width)."""
+    t = tuning
+    rows = _pow2(max(1, max_q_len) * group)
+    block_d = _pow2(head_dim)
+    span = max(1, max_kv_len)
+    if window is not None:
+        span = min(span, max(1, max_q_len) + window - 1)
+    groups = max(1, num_reqs * num_kv_heads)
+
+    def can_split(splits: int, programs: int, split_keys: int) -> bool:
+        return (
+            splits * 2 <= t.one_launch_max_splits
+            and groups * splits * 2 <= programs * num_sms
+            and span >= splits * 2 * split_keys
+            and splits * 2 * rows <= t.merge_reads
+        )
+
+    # Split until the grid holds one program an SM, each split keeping enough keys that the
+    # merge costs less than it saves. A window of at most one 256-key block runs unsplit once
+    # the groups alone cover a quarter of the SMs: its grid leaves room for the next layer's
+    # programs, whose prologue then overlaps this layer.
+    windowed = window is not None and span == max(1, max_q_len) + window - 1
+    unsplit = windowed and span <= 256 and 4 * groups >= num_sms
+    splits = 1
+    while not unsplit and can_split(splits, 1, t.one_launch_split_keys):
+        splits *= 2
+    alone = splits
+    # Decode steps split on into 4-warp programs of at most 128-key blocks, two an SM
+    # ("paired"): while one waits on its table and K/V round trips, the other's loads are in
+    # flight. A window of at most 256 keys takes two splits once its groups cover a third of
+    # the SMs (and no more than all of them).
+    decode = max_q_len <= 1
+    if decode and unsplit and num_sms <= 3 * groups and groups <= num_sms:
+        splits = 2
+    # Steps of several tokens a request pair their programs the same way, windowed layers
+    # too, once their groups cover a quarter of the SMs.
+    several = not decode and num_sms <= 4 * groups
+    while ((decode and not windowed) or several) and can_split(splits, t.paired_programs_per_sm, t.paired_split_keys):
+        splits *= 2
+    paired = splits > alone
+    # One key block covers a split's keys where it can (each trip of the loop is a dependent
+    # chain). A span set by the window is the real range: the block covers a split's share as
+    # the kernel cuts it (whole 16-key steps). A span from ``max_kv_len`` is a host bound,
+    # often loose: the largest power of two within the share. Blocks reach 256 keys (8 warps)
+    # for an unsplit window and for shares of 512 to 1,024 keys; wider shares keep 128-key
+    # blocks, pipelined.
+    share = _cdiv(span, splits)
+    if windowed:
+        block_n = _pow2(_cdiv(share, 16) * 16)
+    else:
+        block_n = _pow2(share + 1) // 2
+    # More groups than SMs (never split): several programs share an SM, so 4-warp programs of
+    # at most 128 keys a block, pipelined.
+    crowded = groups > num_sms
+    wide = 256 if not (crowded or paired) and (unsplit or 512 <= share <= 1024) else 128
+    block_n = max(16, min(block_n, wide if block_d <= 128 else 64))
+    # Software pipelining only where a split's share holds more than eight key blocks (four
+    # for paired programs), or the programs are crowded: one or a few blocks run faster in one
+    # stage.
+    stages = 2 if crowded or share > (4 if paired else 8) * block_n else 1
+    return OneLaunchPlan(
+        ROWS=rows,
+        TOKENS=_pow2(max(1, max_q_len)),
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        MERGE_CHUNK=max(1, min(splits, t.merge_rows // rows)),
+        # Decode steps of up to one group an SM lay their first key block out for the
+        # products before the wait and fold the step's own key in as a vector afterwards.
+        OWN_BLOCK=decode and groups <= num_sms,
+        num_warps=8 if block_n * block_d >= 128 * 128 and not (crowded or paired) else 4,
+        num_stages=stages,
+    )
+
+
+def one_launch_workspace_numel(head_dim: int, num_sms: int, tuning: CudaTuning) -> int:
+    """fp32 elements of a ``store_attend`` workspace serving every plan on a GPU of ``num_sms``
+    SMs: twice the most programs of a planned split grid (room for plans a test or a
+    benchmark sets by hand), at least ``4 * one_launch_max_splits``, each with
+    ``one_launch_rows`` rows of partials."""
+    t = tuning
+    programs = 2 * max(t.paired_programs_per_sm * num_sms, 2 * t.one_launch_max_splits)
+    return programs * t.one_launch_rows * (head_dim + 2)
+
+
+# ----------------------------------------------------------------------------- paged_attention
+@functools.lru_cache(maxsize=4096)
+def plan_paged(
+    *,
+    num_reqs: int,
+    num_tokens: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_q_len: int,
+    max_kv_len: int,
+    window: Optional[int],
+    num_sms: int,
+    tuning: CudaTuning,
+) -> PagedPlan:
+    """``paged_attention``'s plan: tiles, warps, stages, KV splits, loop shape and prefetch
+    depth for one launch shape."""
+    t = tuning
+    block_d = _pow2(head_dim)
+    rows = max(1, max_q_len) * group
+    block_m = min(max(16, _pow2(rows)), 128 if block_d <= 128 else 64)
+    if block_m <= 16:  # decode / short verify: streaming K and V is the whole cost
+        block_n = 64 if block_d <= 128 else 32
+        num_warps, num_stages = 4, 2
+    else:  # flash-attention tiles
+        block_n = 128 if (block_m == 128 and block_d <= 128) else (64 if block_d <= 128 else 32)
+        num_warps, num_stages = (8 if block_m * block_d >= 128 * 128 else 4), 2
+    span = max(1, max_kv_len)
+    if window is not None:
+        span = min(span, max(1, max_q_len) + window - 1)
+    base = max(1, num_reqs * num_kv_heads * _cdiv(rows, block_m))
+    splits = 1
+    target = t.paged_programs_per_sm * num_sms
+    if base < target:
+        splits = min(_cdiv(target, base), _cdiv(span, t.paged_split_keys), t.paged_max_splits)
+        splits = max(1, min(splits, t.paged_split_tokens // max(1, num_tokens)))
+    # The decode tiles send their first key block's cached K/V lines to L2 before a PDL
+    # prologue's wait; more blocks (a whole window) cost more than they save.
+    return PagedPlan(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        PHASES=block_m > 16,
+        PREFETCH=1 if block_m <= 16 else 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def paged_workspace_numel(max_num_tokens: int, num_heads: int, head_dim: int, tuning: CudaTuning) -> int:
+    """fp32 elements of a ``paged_attention`` workspace serving every plan of up to
+    ``max_num_tokens`` tokens (allocate it once, e.g. with the graph buffers)."""
+    pairs = min(tuning.paged_split_tokens, max(1, max_num_tokens) * tuning.paged_max_splits)
+    return pairs * num_heads * (head_dim + 2)

@@ -1,0 +1,93 @@
+"""``CudaTuning``: every choice of the cuda backend that a step's shape does not force.
+
+One frozen object holds them: the user's switches (PDL, the KV store kernel) and the
+planner's bounds (``planner.py`` reads nothing else). ``CudaTuning.from_env()`` is what a
+backend gets by default; a variant is ``dataclasses.replace(tuning, ...)``, passed to
+``CudaBackend(..., tuning=...)``.
+
+The paths a decode or draft step's layers can take (``planner.plan_step``):
+
+* ``one_launch``: steps of up to ``one_launch_rows`` (token, q head) rows a request and up to
+  ``one_launch_groups_per_sm`` (request, kv head) groups an SM run ONE launch a layer,
+  ``store_attend`` (store, attention and split merge);
+* ``paged_store``: other steps of up to ``paged_store_rows`` rows a request store their K/V
+  inside the ``paged_attention`` launch;
+* otherwise, and for extends, a KV store launch, then ``paged_attention`` (and its split
+  combine when decode splits the KV range).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from . import env
+
+__all__ = ["CudaTuning"]
+
+
+@dataclass(frozen=True)
+class CudaTuning:
+    """The cuda backend's choices (module docstring). Bounds are ints >= 1; split counts and
+    row bounds powers of two."""
+
+    #: launch with Programmatic Dependent Launch where the device has it
+    #: (``ATTNPLUG_DISABLE_PDL=1``: False)
+    pdl: bool = True
+    #: the KV store kernel: ``triton``, or ``cpp`` (the CUDA C++ store; ``ATTNPLUG_KV_STORE``)
+    kv_store: str = "triton"
+    #: small decode and draft steps run one ``store_attend`` launch a layer
+    one_launch: bool = True
+    #: other decode and draft steps store their K/V inside the ``paged_attention`` launch
+    paged_store: bool = True
+
+    # ``store_attend`` (one launch a layer)
+    #: most (token, q head) rows of one request
+    one_launch_rows: int = 16
+    #: most (request, kv head) groups an SM
+    one_launch_groups_per_sm: int = 2
+    #: most KV splits of a group
+    one_launch_max_splits: int = 32
+    #: a split of a program alone on its SM covers at least this many keys
+    one_launch_split_keys: int = 32
+    #: programs an SM of a paired plan (4-warp programs sharing each SM)
+    paired_programs_per_sm: int = 2
+    #: a split of a paired plan covers at least this many keys
+    paired_split_keys: int = 64
+    #: most (split, row) pairs the merge holds at once
+    merge_rows: int = 64
+    #: most (split, row) pairs one merge reads: the split count stops there
+    merge_reads: int = 256
+
+    # ``paged_attention``
+    #: most (token, q head) rows of one request whose K/V it stores in its launch
+    paged_store_rows: int = 16
+    #: most KV splits of a program group (flash-decoding)
+    paged_max_splits: int = 64
+    #: a split covers at least this many keys
+    paged_split_keys: int = 256
+    #: at most this many (token, split) pairs get a partial: bounds the workspace
+    paged_split_tokens: int = 2048
+    #: split the KV range until about this many programs an SM exist
+    paged_programs_per_sm: int = 3
+
+    def __post_init__(self) -> None:
+        if self.kv_store not in env.KV_STORE_KERNELS:
+            raise ValueError(f"kv_store must be one of {env.KV_STORE_KERNELS}, got {self.kv_store!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{f.name} must be a bool, got {value!r}")
+            elif f.type in ("int", int):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
+        for name in ("one_launch_rows", "paged_store_rows", "one_launch_max_splits", "paged_max_splits"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+
+    @classmethod
+    def from_env(cls) -> "CudaTuning":
+        """The defaults with the user's environment applied (``ATTNPLUG_DISABLE_PDL``,
+        ``ATTNPLUG_KV_STORE``; a value that does not parse raises ``EnvError``)."""
+        return cls(pdl=not env.pdl_disabled(), kv_store=env.kv_store_kernel())
