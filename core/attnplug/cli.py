@@ -9,8 +9,8 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
 * ``attnplug conformance [--backend NAME ...] [--report PATH] [-k EXPR] [--junitxml PATH]``: the
   conformance suite (``attnplug_conformance.runner``), a check x backend matrix, a JSON report.
 * ``attnplug bench [--backend NAME] [--device D] [--only NAME ...] [--quick] [--out DIR] [--json PATH]
-  [--budget-s S] [--isolate/--no-isolate] [--set NAME=VALUE]``: the benchmarks the backend's plugin
-  ships, or the portable suite (``attnplug.bench``).
+  [--history PATH] [--budget-s S] [--isolate/--no-isolate] [--set NAME=VALUE]``: the benchmarks the backend's
+  plugin ships, or the portable suite (``attnplug.bench``).
 * ``attnplug soak [--backend NAME] [--steps N] [--seed S] [--page-size P] [--graphs/--no-graphs] [--json PATH]``:
   a random serving simulation checked every step (``attnplug.soak``).
 * ``attnplug generate (--model PATH | --tiny ARCH) (--prompt TEXT | --tokens IDS) [--backend NAME]
@@ -351,6 +351,13 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
     except (SuiteUnavailable, ValueError) as exc:
         return fail(str(exc))
+    if args.history:
+        from attnplug.bench.history import append_history
+
+        try:
+            append_history(args.history, result)
+        except OSError as exc:
+            return fail(f"--history {args.history!r}: {exc}")
     return 1 if result["summary"]["errors"] else 0
 
 
@@ -381,6 +388,11 @@ def _add_bench(subparsers) -> None:
     parser.add_argument("--quick", action="store_true", help="a fast smoke pass: fewer sizes and iterations")
     parser.add_argument("--out", metavar="DIR", help="write bench.json and the PNG plots into DIR")
     parser.add_argument("--json", metavar="PATH", help="(also) write the JSON results to PATH")
+    parser.add_argument(
+        "--history",
+        metavar="PATH",
+        help="append one JSON line per measured row to PATH, a .jsonl history (attnplug.bench.history)",
+    )
     parser.add_argument(
         "--budget-s",
         type=_budget,

@@ -16,6 +16,7 @@ module              job
                     backend's graph class, else wall clock; ``copy_bandwidth``
 ``rows``            ``row()`` (one result), ``summarize``
 ``report``          the rich table, the JSON file, the summary line
+``history``         one JSON line per measured row appended to a ``.jsonl`` history
 ``plots``           PNGs: time vs batch size per variant, ratio vs the baseline
 ``world``           a hybrid full + SWA world of requests and its step function
 ``step_case``       whole-step benchmarks over variants (``run_step_benchmark``)
