@@ -29,16 +29,9 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .cli_errors import ERROR_PREFIX, fail
+
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "info_data", "fail", "ERROR_PREFIX"]
-
-#: how every error of the command starts (argument errors included)
-ERROR_PREFIX = "attnplug: error: "
-
-
-def fail(message: str, code: int = 2) -> int:
-    """Print ``attnplug: error: MESSAGE`` on stderr and return ``code`` (2: the run cannot start)."""
-    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
-    return code
 
 
 class _Parser(argparse.ArgumentParser):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli_errors import fail
 from .config import DTYPES, SoakConfig
 
 __all__ = ["add_arguments", "config_from_args", "run_command"]
@@ -168,7 +169,6 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..cli import fail
     from ..selection import SelectionError
     from . import run_soak
     from .simulation import SoakSetupError
