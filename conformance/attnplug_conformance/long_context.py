@@ -17,7 +17,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from attnplug import ForwardMode
-from attnplug.soak.oracle import exact_attention
+from attnplug.oracle import exact_attention
 
 from .harness import Step, World
 from .rules import ATTENTION
@@ -35,7 +35,7 @@ LONG_TOL: Dict[torch.dtype, float] = {torch.float16: 2e-3, torch.bfloat16: 1.2e-
 
 def dense_attention(world: World, step: Step) -> torch.Tensor:
     """Exact attention of ``step`` (planned, not committed) in float64 on the host:
-    ``[T, L, H, D]``, from ``attnplug.soak.oracle.exact_attention`` (the contract's rule: causal,
+    ``[T, L, H, D]``, from ``attnplug.oracle.exact_attention`` (the contract's rule: causal,
     ``p - W < j <= p`` on SWA layers, GQA by head groups, the spec's ``logit_softcap`` and the
     world's per-layer ``sinks``). Keys of a request: its committed history (float64) then the
     step's own k/v."""

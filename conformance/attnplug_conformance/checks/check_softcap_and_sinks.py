@@ -4,7 +4,7 @@ Logits are ``s = scaling * q.k``. A backend built with ``logit_softcap=c`` caps 
 ``c * tanh(s / c)`` before masking and softmax; ``forward(..., sinks=...)`` (float32
 ``[num_heads]``, natural-log units) adds ``exp(sink_h - m)`` to head ``h``'s softmax
 denominator and nothing to the numerator. Every step the backend runs here is compared with
-attention computed in float64 from the tokens' history (``attnplug.soak.oracle.exact_attention``,
+attention computed in float64 from the tokens' history (``attnplug.oracle.exact_attention``,
 the same formula written independently of any backend): relative error
 ``||out - exact|| / max(||exact||, 1e-3 * sqrt(head_dim))`` per (token, layer, head) within
 ``LONG_TOL`` of the dtype (the floor: a sink that takes nearly all of a head's weight leaves an
