@@ -1,7 +1,9 @@
-"""An independent float64 oracle: dense masked softmax over each request's token history.
+"""What the core tests compare a committed step with: ``attnplug.oracle.exact_attention`` over
+each request's token history, and a relative-error assertion.
 
-It never looks at the KV pool, the slot tables or any backend: only the k/v each request
-was given (``Request.history``) and the window rule ``p - W < j <= p``.
+It never looks at the KV pool, the slot tables or any backend: only the k/v each request was
+given (``Request.history``, which holds the step's tokens once it is committed), the window
+rule ``p - W < j <= p`` and the contract's default scaling ``1/sqrt(head_dim)``.
 """
 
 from __future__ import annotations
@@ -9,30 +11,28 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from attnplug.oracle import exact_attention
 
 
-def dense_attention(step, layer: int, *, num_heads: int, window) -> torch.Tensor:
+def dense_attention(step, layer: int, *, window) -> torch.Tensor:
     """Expected output of ``layer`` for every new token of a committed ``step``:
     ``[T, num_heads, head_dim]`` float64. ``window`` is None for full layers."""
-    q_all = step.inputs["q"][:, layer].detach().to("cpu", torch.float64)
-    outs = []
-    offset = 0
-    for req, n in zip(step.requests, step.new_tokens):
-        k, v = req.history[layer]  # [seq_len, Hkv, D], includes this step's tokens
-        seq_len, hkv, d = k.shape
-        group = num_heads // hkv
-        k = k.repeat_interleave(group, dim=1)  # [seq, H, D]
-        v = v.repeat_interleave(group, dim=1)
-        for i in range(n):
-            p = seq_len - n + i
-            lo = 0 if window is None else max(0, p - window + 1)
-            q = q_all[offset + i]  # [H, D]
-            scores = torch.einsum("hd,jhd->hj", q, k[lo : p + 1]) / math.sqrt(d)
-            outs.append(torch.einsum("hj,jhd->hd", torch.softmax(scores, dim=-1), v[lo : p + 1]))
-        offset += n
-    if not outs:
-        return torch.zeros(0, num_heads, q_all.shape[-1], dtype=torch.float64)
-    return torch.stack(outs)
+    q = step.inputs["q"][:, layer].detach().to("cpu", torch.float64)
+    if q.shape[0] == 0:
+        return q
+    keys = [req.history[layer][0] for req in step.requests]  # [seq_len, Hkv, D], with this step's tokens
+    values = [req.history[layer][1] for req in step.requests]
+    return exact_attention(
+        q,
+        pad_sequence(keys, batch_first=True),
+        pad_sequence(values, batch_first=True),
+        [k.shape[0] for k in keys],
+        list(step.new_tokens),
+        window,
+        1.0 / math.sqrt(q.shape[-1]),
+    )
 
 
 def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> None:

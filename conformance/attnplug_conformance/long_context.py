@@ -10,20 +10,20 @@ relative error ``||out - exact|| / ||exact||`` of every (token, layer, head) row
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import pytest
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from attnplug import ForwardMode
-from attnplug.soak.oracle import exact_attention
+from attnplug.oracle import exact_attention
 
 from .harness import Step, World
 from .rules import ATTENTION
 from .support import TestConfig, dtype_name, layer_kind, require, spec_sizes
 
-__all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "run_long_context"]
+__all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "long_world", "run_long_context"]
 
 #: prompt lengths: one long request past 4,096 keys and one short one
 LONG_CONTEXT = (4100, 37)
@@ -35,7 +35,7 @@ LONG_TOL: Dict[torch.dtype, float] = {torch.float16: 2e-3, torch.bfloat16: 1.2e-
 
 def dense_attention(world: World, step: Step) -> torch.Tensor:
     """Exact attention of ``step`` (planned, not committed) in float64 on the host:
-    ``[T, L, H, D]``, from ``attnplug.soak.oracle.exact_attention`` (the contract's rule: causal,
+    ``[T, L, H, D]``, from ``attnplug.oracle.exact_attention`` (the contract's rule: causal,
     ``p - W < j <= p`` on SWA layers, GQA by head groups, the spec's ``logit_softcap`` and the
     world's per-layer ``sinks``). Keys of a request: its committed history (float64) then the
     step's own k/v."""
@@ -88,31 +88,40 @@ def _check(out: torch.Tensor, exact: torch.Tensor, world: World, what: str) -> N
         )
 
 
-def run_long_context(cfg: TestConfig, make_world) -> None:
-    """One request of ``LONG_CONTEXT[0]`` keys and one short one (prompts stored directly,
-    no attention), then DECODE and TARGET_VERIFY on the backend, each compared with
-    ``dense_attention``. 2 layers (one SWA when supported, one full)."""
-    dtype = cfg.dtype
-    require(dtype in LONG_TOL, f"no long-context bound for {dtype_name(dtype)}")
+def long_world(cfg: TestConfig, make_world, lengths: Sequence[int], *, window: int, seed: int, **features):
+    """A world of 2 layers (layer 0 SWA with ``window`` when the backend serves windows, layer 1
+    full), 4 query heads over 1 KV head, and one request per prompt length of ``lengths``, its
+    prompt stored directly (no attention: only the steps under test attend) and committed.
+    ``features``: more ``WorldSpec`` fields (e.g. ``logit_softcap``). Returns ``(world, reqs)``."""
     ps = cfg.page_size
-    longest = max(LONG_CONTEXT) + 8
-    size, size_swa = spec_sizes(ps, min_swa=sum(LONG_CONTEXT) + 64 * ps)
+    longest = max(lengths) + 8
+    size, size_swa = spec_sizes(ps, min_swa=sum(lengths) + 64 * ps)
     spec = cfg.spec(
         num_layers=2,
         swa_layer_ids=(0,) if cfg.sliding_window else (),
         num_heads=4,
         num_kv_heads=1,
-        sliding_window=64,
+        sliding_window=window,
         size=size,
         size_swa=size_swa,
         max_reqs=4,
         max_context_len=-(-longest // max(ps, 16)) * max(ps, 16),
+        **features,
     )
-    world = make_world(spec, 97)
-    reqs = [world.new_request() for _ in LONG_CONTEXT]
-    prompt = world.plan(ForwardMode.EXTEND, reqs, list(LONG_CONTEXT))
+    world = make_world(spec, seed)
+    reqs = [world.new_request() for _ in lengths]
+    prompt = world.plan(ForwardMode.EXTEND, reqs, list(lengths))
     world.store_kv(prompt)
     world.advance(prompt)
+    return world, reqs
+
+
+def run_long_context(cfg: TestConfig, make_world) -> None:
+    """One request of ``LONG_CONTEXT[0]`` keys and one short one (``long_world``), then DECODE
+    and TARGET_VERIFY on the backend, each compared with ``dense_attention``."""
+    dtype = cfg.dtype
+    require(dtype in LONG_TOL, f"no long-context bound for {dtype_name(dtype)}")
+    world, reqs = long_world(cfg, make_world, LONG_CONTEXT, window=64, seed=97)
     for mode, ndt in ((ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 3)):
         step = world.plan(mode, reqs, num_draft_tokens=ndt)
         exact = dense_attention(world, step)

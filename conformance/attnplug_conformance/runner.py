@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
+from attnplug.cli_errors import fail
+
 from .plugin import CHECKS_DIR, check_name_of, check_names
 
 __all__ = ["run_conformance", "pytest_plugin_args", "ResultCollector", "REPORT_VERSION"]
@@ -379,8 +381,6 @@ def run_conformance(
     ``thorough`` adds every combination of the declared dtypes, head dims and page sizes.
     With several backends, ``junitxml`` gets one file per backend (``PATH-<backend>.xml``)."""
     from rich.text import Text
-
-    from attnplug.cli import fail
 
     console = console or _console()
     if device is not None:

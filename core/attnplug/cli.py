@@ -29,16 +29,9 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .cli_errors import ERROR_PREFIX, fail
+
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "info_data", "fail", "ERROR_PREFIX"]
-
-#: how every error of the command starts (argument errors included)
-ERROR_PREFIX = "attnplug: error: "
-
-
-def fail(message: str, code: int = 2) -> int:
-    """Print ``attnplug: error: MESSAGE`` on stderr and return ``code`` (2: the run cannot start)."""
-    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
-    return code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -413,18 +406,22 @@ def _add_bench(subparsers) -> None:
     parser.set_defaults(func=_run_bench)
 
 
-# ---------------------------------------------------------------------------- soak
-def _run_soak(args: argparse.Namespace) -> int:
-    from attnplug.soak.command import run_command
-
-    return run_command(args)
+# ---------------------------------------------------------------------------- soak, generate
+def _add_module_command(subparsers, name: str, command, **texts: str) -> None:
+    """Add subcommand ``name`` whose options and run live in the module ``command``
+    (``add_arguments(parser)``, ``run_command(args) -> exit code``); ``texts``: help, description."""
+    parser = subparsers.add_parser(name, **texts)
+    command.add_arguments(parser)
+    parser.set_defaults(func=command.run_command)
 
 
 def _add_soak(subparsers) -> None:
-    from attnplug.soak.command import add_arguments
+    from attnplug.soak import command
 
-    parser = subparsers.add_parser(
+    _add_module_command(
+        subparsers,
         "soak",
+        command,
         help="run a random serving simulation checked every step against a float64 oracle",
         description="Run a random serving simulation (arrivals, chunked prefill, decode, verify with rollback, "
         "draft-extend, pool pressure, graph replay and eager fallback, NaN in free slots and the sink) "
@@ -432,29 +429,20 @@ def _add_soak(subparsers) -> None:
         "values (docs/reliability.md). Exit code 1 on any failure (the first failing step is printed), "
         "2 when the run cannot start.",
     )
-    add_arguments(parser)
-    parser.set_defaults(func=_run_soak)
-
-
-# ---------------------------------------------------------------------------- generate
-def _run_generate(args: argparse.Namespace) -> int:
-    from attnplug.integrations.transformers.command import run_command
-
-    return run_command(args)
 
 
 def _add_generate(subparsers) -> None:
-    from attnplug.integrations.transformers.command import add_arguments
+    from attnplug.integrations.transformers import command
 
-    parser = subparsers.add_parser(
+    _add_module_command(
+        subparsers,
         "generate",
+        command,
         help="generate tokens with a transformers model whose attention runs through attnplug",
         description="Greedy generation with a Hugging Face transformers causal LM whose attention layers run "
         "through an attnplug backend (continuous batching, chunked prefill, sliding-window eviction, graphs; "
         "docs/models.md). Needs the hf extra: pip install 'attnplug[hf]'. Exit code 2 when the run cannot start.",
     )
-    add_arguments(parser)
-    parser.set_defaults(func=_run_generate)
 
 
 # ---------------------------------------------------------------------------- entry point

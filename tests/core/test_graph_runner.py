@@ -56,7 +56,7 @@ def test_replay_equals_eager_and_dense(mode, ndt, n_reqs):
     world.commit(step)
     for layer in range(SPEC.num_layers):
         window = SPEC.sliding_window if world.pool.is_swa_layer(layer) else None
-        assert_close_rel(replayed[:, layer], dense_attention(step, layer, num_heads=8, window=window), 2e-5)
+        assert_close_rel(replayed[:, layer], dense_attention(step, layer, window=window), 2e-5)
 
 
 def test_swa_buffer_translated_tail_zero_and_static():

@@ -33,7 +33,7 @@ def _check(world, step, out, tol=2e-5):
     assert out.shape == (step.batch.num_tokens, spec.num_layers, spec.num_heads, spec.head_dim)
     for layer in range(spec.num_layers):
         window = spec.sliding_window if world.pool.is_swa_layer(layer) else None
-        expected = dense_attention(step, layer, num_heads=spec.num_heads, window=window)
+        expected = dense_attention(step, layer, window=window)
         assert_close_rel(out[:, layer], expected, tol, f"layer {layer} (window={window})")
 
 

@@ -18,7 +18,7 @@ NDT = 3
 def _check(world, step, out):
     for layer in range(world.spec.num_layers):
         window = world.spec.sliding_window if world.pool.is_swa_layer(layer) else None
-        expected = dense_attention(step, layer, num_heads=world.spec.num_heads, window=window)
+        expected = dense_attention(step, layer, window=window)
         assert_close_rel(out[:, layer], expected, 3e-5, f"{step.batch.forward_mode.name} layer {layer}")
 
 

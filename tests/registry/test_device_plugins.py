@@ -48,16 +48,16 @@ def test_xpu_backend_refuses_a_cpu_pool():
 
 
 def test_xpu_graph_support_follows_feature_detection(monkeypatch):
-    from attnplug_xpu import backend, device
+    from attnplug_xpu import backend
 
     inst = backend.XpuBackend.__new__(backend.XpuBackend)  # capabilities() is pure data
     inst.device = torch.device("xpu")
-    monkeypatch.setattr(device, "_xpu_graph_class", lambda: None)
+    monkeypatch.delattr(torch.xpu, "XPUGraph", raising=False)
     with pytest.raises(RuntimeError, match="XPUGraph"):
         backend.XpuBackend.new_graph()
     assert inst.capabilities().graphs is GraphSupport.NEVER
     assert backend.XpuBackend.describe()["graphs"] == "NEVER"
-    monkeypatch.setattr(device, "_xpu_graph_class", lambda: object)
+    monkeypatch.setattr(torch.xpu, "XPUGraph", object, raising=False)
     assert inst.capabilities().graphs is GraphSupport.UNIFORM
     assert backend.XpuBackend.describe()["graphs"] == "UNIFORM"
     assert inst.capabilities().device_type == "xpu"

@@ -9,7 +9,8 @@ the ``reference`` backend).
 ==================  =====================================================================
 module              job
 ==================  =====================================================================
-``suite``           ``Benchmark``, ``Suite``, ``suite_for(backend_cls)``
+``suite``           ``Benchmark``, ``Suite``, ``SuiteUnavailable``
+``lookup``          ``suite_for(backend_cls)``: the suite a plugin ships, else the portable one
 ``runner``          ``run_suite``: budget, child-process isolation, JSON, plots, table
 ``context``         ``Ctx`` (what a benchmark gets), ``Deadline``
 ``timing``          ``Timer``: ``triton.testing`` where Triton drives the device, else the
@@ -29,10 +30,11 @@ with ``ctx.timer``, logs progress with ``ctx.log`` and skips remaining cases whe
 """
 
 from .context import Ctx, Deadline
+from .lookup import suite_for
 from .portable import SUITE
 from .rows import row, summarize
 from .runner import run_suite
-from .suite import Benchmark, Suite, SuiteUnavailable, suite_for
+from .suite import Benchmark, Suite, SuiteUnavailable
 from .timing import Timer, copy_bandwidth, free_memory, median
 
 __all__ = [

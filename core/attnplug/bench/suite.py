@@ -1,10 +1,7 @@
-"""Benchmark definitions: what a plugin ships, and how the harness finds it.
+"""Benchmark definitions: what a plugin ships (``Benchmark``, ``Suite``, ``SuiteUnavailable``).
 
 A plugin ships its benchmarks as a ``Suite`` named ``SUITE`` in the module ``bench`` of its
-top-level package (``<package>.bench.SUITE``, e.g. the package of the backend class's
-module). ``suite_for(backend_cls)`` returns that suite, or the portable suite
-(``attnplug.bench.portable``: whole steps through ``GraphRunner``, any backend, any device)
-when the backend's package ships none.
+top-level package; ``lookup.suite_for(backend_cls)`` finds it.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["Benchmark", "Suite", "SuiteUnavailable", "suite_for"]
+__all__ = ["Benchmark", "Suite", "SuiteUnavailable"]
 
 
 class SuiteUnavailable(RuntimeError):
@@ -115,22 +112,3 @@ def _convert(name: str, value: str, default: Any) -> Any:
         except ValueError:
             raise ValueError(f"--set {name}={value!r}: expected a {type(default).__name__}") from None
     return value
-
-
-def suite_for(backend_cls: type) -> Suite:
-    """The suite ``backend_cls``'s package ships (``<package>.bench.SUITE``), else the
-    portable suite."""
-    package = backend_cls.__module__.split(".")[0]
-    name = f"{package}.bench"
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name not in (name, package):
-            raise  # the bench module exists but one of its imports is missing: say so
-        module = None
-    suite = getattr(module, "SUITE", None)
-    if suite is None:
-        from .portable import SUITE as suite
-    if not isinstance(suite, Suite):
-        raise TypeError(f"{name}.SUITE is {type(suite).__name__}, not an attnplug.bench.Suite")
-    return suite

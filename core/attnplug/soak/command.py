@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli_errors import fail
 from .config import DTYPES, SoakConfig
 
 __all__ = ["add_arguments", "config_from_args", "run_command"]
@@ -28,12 +29,18 @@ def _buckets(text: str):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SoakConfig()
     add = parser.add_argument
+
+    def count(flag: str, metavar: str, what: str) -> None:
+        """An int option whose default, said in its help, is the ``SoakConfig`` field of the flag's name."""
+        default = getattr(d, flag[2:].replace("-", "_"))
+        add(flag, type=int, default=default, metavar=metavar, help=f"{what} (default: {default})")
+
     add("--backend", default=d.backend, metavar="NAME", help=f"registry name or module:Class (default: {d.backend})")
-    add("--steps", type=int, default=d.steps, metavar="N", help=f"steps to run (default: {d.steps})")
-    add("--seed", type=int, default=d.seed, metavar="S", help="seed of the schedule and the data (default: 0)")
+    count("--steps", "N", "steps to run")
+    count("--seed", "S", "seed of the schedule and the data")
     add("--device", metavar="DEVICE", help="torch device (default: the backend's, from its registry probe)")
     add("--dtype", choices=sorted(DTYPES), help="KV dtype (default: float16 where supported)")
-    add("--page-size", type=int, default=d.page_size, metavar="P", help="KV pool page size (default: 1)")
+    count("--page-size", "P", "KV pool page size")
     add(
         "--graphs",
         action=argparse.BooleanOptionalAction,
@@ -47,59 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B1,B2,...",
         help=f"captured batch sizes (default: {','.join(map(str, d.buckets))})",
     )
-    add(
-        "--num-layers",
-        type=int,
-        default=d.num_layers,
-        metavar="L",
-        help=f"layers; every third and the last are full layers, the rest SWA (default: {d.num_layers})",
-    )
-    add("--num-heads", type=int, default=d.num_heads, metavar="H", help=f"query heads (default: {d.num_heads})")
-    add(
-        "--num-kv-heads",
-        type=int,
-        default=d.num_kv_heads,
-        metavar="HKV",
-        help=f"KV heads, GQA (default: {d.num_kv_heads})",
-    )
+    count("--num-layers", "L", "layers; every third and the last are full layers, the rest SWA")
+    count("--num-heads", "H", "query heads")
+    count("--num-kv-heads", "HKV", "KV heads, GQA")
     add("--head-dim", type=int, metavar="D", help="head dim (default: the smallest the backend supports)")
-    add(
-        "--sliding-window",
-        type=int,
-        default=d.sliding_window,
-        metavar="W",
-        help=f"window of the SWA layers (default: {d.sliding_window})",
-    )
-    add("--max-running", type=int, default=d.max_running, metavar="R", help=f"request rows (default: {d.max_running})")
-    add("--max-prompt", type=int, default=d.max_prompt, metavar="N", help=f"longest prompt (default: {d.max_prompt})")
-    add(
-        "--max-chunk",
-        type=int,
-        default=d.max_chunk,
-        metavar="N",
-        help=f"largest prefill chunk per request (default: {d.max_chunk})",
-    )
-    add(
-        "--max-context",
-        type=int,
-        default=d.max_context,
-        metavar="N",
-        help=f"longest request (default: {d.max_context})",
-    )
-    add(
-        "--draft-tokens",
-        type=int,
-        default=d.draft_tokens,
-        metavar="N",
-        help=f"draft tokens per request, captured (default: {d.draft_tokens})",
-    )
-    add(
-        "--alt-draft-tokens",
-        type=int,
-        default=d.alt_draft_tokens,
-        metavar="N",
-        help=f"draft tokens of the uncaptured verify steps (default: {d.alt_draft_tokens})",
-    )
+    count("--sliding-window", "W", "window of the SWA layers")
+    count("--max-running", "R", "request rows")
+    count("--max-prompt", "N", "longest prompt")
+    count("--max-chunk", "N", "largest prefill chunk per request")
+    count("--max-context", "N", "longest request")
+    count("--draft-tokens", "N", "draft tokens per request, captured")
+    count("--alt-draft-tokens", "N", "draft tokens of the uncaptured verify steps")
     add("--pool-size", type=int, metavar="SLOTS", help="full pool slots (default: 6 * max_context + 4 * page_size)")
     add(
         "--swa-pool-size",
@@ -114,14 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fill free slots and the sink with NaN before every step (default: nan)",
     )
     add("--tolerance", type=float, metavar="REL", help="largest relative error (default: per dtype)")
-    add(
-        "--kv-check-every",
-        type=int,
-        default=d.kv_check_every,
-        metavar="N",
-        help="compare every live KV value with what was written every N steps (default: 1)",
-    )
-    add("--threads", type=int, default=d.threads, metavar="N", help="host threads for torch (default: 1)")
+    count("--kv-check-every", "N", "compare every live KV value with what was written every N steps")
+    count("--threads", "N", "host threads for torch")
     add("--keep-going", action="store_true", help="continue after a failed step (default: stop at the first)")
     add(
         "--progress",
@@ -168,7 +127,6 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..cli import fail
     from ..selection import SelectionError
     from . import run_soak
     from .simulation import SoakSetupError

@@ -37,8 +37,8 @@ from ..backend import AttentionBackend, GraphSupport, decide_needs_cpu_seq_lens
 from ..batch import ForwardBatch, ForwardMode
 from ..graphs import EagerGraph, GraphRunner
 from ..memory import OutOfKVSlots, OutOfReqSlots, ReqToTokenPool, SWAKVPool, SWATokenAllocator
+from ..oracle import History, exact_attention, relative_errors, stack_histories
 from .config import DEFAULT_TOLERANCE, SoakConfig, dtype_name
-from .oracle import History, exact_attention, relative_errors, stack_histories
 from .report import SoakFailure, SoakReport
 
 __all__ = ["Soak", "SoakSetupError"]

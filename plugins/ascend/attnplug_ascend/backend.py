@@ -11,29 +11,16 @@ Not yet run on Ascend hardware by this project: see the README's support matrix.
 
 from __future__ import annotations
 
-from attnplug.backends.portable import PortableBackend
+from attnplug.backends.torch_device import TorchDeviceBackend
 
-from .device import AscendDevice, npu_module
+from .device import AscendDevice
 
 __all__ = ["AscendBackend"]
 
 
-class AscendBackend(PortableBackend):
+class AscendBackend(TorchDeviceBackend):
     """Portable attention on Ascend NPUs (see module docstring)."""
 
     name = "ascend"
-    needs_cpu_seq_lens = False
     device_part = AscendDevice()
-
-    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
-        npu_module()
-        if pool.device.type != "npu":
-            raise ValueError(f"the ascend backend needs a pool on an NPU device, got {pool.device}")
-        super().__init__(
-            pool,
-            req_to_token_pool,
-            num_heads=num_heads,
-            sliding_window=sliding_window,
-            scaling=scaling,
-            logit_softcap=logit_softcap,
-        )
+    device_label = "an NPU device"

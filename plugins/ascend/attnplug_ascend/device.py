@@ -2,19 +2,17 @@
 
 ``torch_npu`` is imported on first use, never when this module is imported (importing it
 without Ascend's CANN toolkit breaks ``import torch``). The graph class
-(``torch.npu.NPUGraph``) is found by feature detection: without it ``graphs_available()`` is
-False and the backend declares ``GraphSupport.NEVER``.
+(``torch.npu.NPUGraph``) is found by feature detection (``TorchDevicePart``): without it
+``graphs_available()`` is False and the backend declares ``GraphSupport.NEVER``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict
 
 import torch
 
-from attnplug.device_part import DevicePart
-from attnplug.graphs import StreamGraph
+from attnplug.backends.torch_device import TorchDevicePart
 
 __all__ = ["AscendDevice", "npu_module"]
 
@@ -29,29 +27,12 @@ def npu_module():
     return torch.npu
 
 
-def _npu_graph_class():
-    return getattr(npu_module(), "NPUGraph", None)
-
-
-class AscendDevice(DevicePart):
+class AscendDevice(TorchDevicePart):
     """NPU graphs (``StreamGraph`` over ``torch.npu.NPUGraph``) and NPU synchronisation."""
 
     device_type = "npu"
+    graph_class_name = "NPUGraph"
+    missing_graph = "this torch_npu has no NPUGraph: the ascend backend declares GraphSupport.NEVER"
 
-    def new_graph(self) -> StreamGraph:
-        graph_cls = _npu_graph_class()
-        if graph_cls is None:
-            raise RuntimeError("this torch_npu has no NPUGraph: the ascend backend declares GraphSupport.NEVER")
-        return StreamGraph(npu_module(), graph_cls)
-
-    def graphs_available(self) -> bool:
-        try:
-            return _npu_graph_class() is not None
-        except RuntimeError:  # torch_npu missing: no graphs (the probe says why)
-            return False
-
-    def synchronize(self, device: torch.device) -> None:
-        npu_module().synchronize(device)
-
-    def describe(self) -> Dict[str, Any]:
-        return {"graph_class": "torch.npu.NPUGraph" if self.graphs_available() else "none (GraphSupport.NEVER)"}
+    def module(self):
+        return npu_module()

@@ -10,28 +10,16 @@ Not yet run on Intel GPUs by this project: see the README's support matrix.
 
 from __future__ import annotations
 
-from attnplug.backends.portable import PortableBackend
+from attnplug.backends.torch_device import TorchDeviceBackend
 
 from .device import XpuDevice
 
 __all__ = ["XpuBackend"]
 
 
-class XpuBackend(PortableBackend):
+class XpuBackend(TorchDeviceBackend):
     """Portable attention on Intel XPUs (see module docstring)."""
 
     name = "xpu"
-    needs_cpu_seq_lens = False
     device_part = XpuDevice()
-
-    def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
-        if pool.device.type != "xpu":
-            raise ValueError(f"the xpu backend needs a pool on an XPU device, got {pool.device}")
-        super().__init__(
-            pool,
-            req_to_token_pool,
-            num_heads=num_heads,
-            sliding_window=sliding_window,
-            scaling=scaling,
-            logit_softcap=logit_softcap,
-        )
+    device_label = "an XPU device"

@@ -19,6 +19,8 @@ from typing import List, Optional
 
 import torch
 
+from ...cli_errors import fail
+
 __all__ = ["add_arguments", "run_command"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -168,7 +170,6 @@ def _prompts(args, tokenizer) -> List[List[int]]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from ...cli import fail
     from ...selection import SelectionError
     from .engine import Engine
     from .errors import MissingDependencyError, UnsupportedModelError
