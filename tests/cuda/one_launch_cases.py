@@ -3,7 +3,7 @@
 ``run_case`` builds per-request K/V histories in a paged cache (slots shuffled, every other
 slot NaN so a stray read shows), writes the step's own K/V only through the kernel's store
 (the cache holds NaN at those slots before the call), and returns the output with
-``attnplug.soak.oracle.exact_attention``'s; ``check`` compares them and the stored rows, and
+``attnplug.oracle.exact_attention``'s; ``check`` compares them and the stored rows, and
 checks that the launch left the tickets at zero (so graph replays can repeat it).
 """
 
@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import torch
 
-from attnplug.soak.oracle import exact_attention
+from attnplug.oracle import exact_attention
 from attnplug_cuda.kernels.common import KeyTable, num_sms
 from attnplug_cuda.kernels.store_attend import store_attend
 from attnplug_cuda.planner import plan_one_launch
