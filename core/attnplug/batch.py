@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -81,7 +81,18 @@ class ForwardMode(enum.Enum):
 
     @property
     def is_speculative(self) -> bool:
+        """The step scores or extends draft tokens (``num_draft_tokens`` a request)."""
         return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+    @classmethod
+    def uniform(cls) -> Tuple["ForwardMode", ...]:
+        """The uniform modes, in declaration order (what a graph captures per bucket)."""
+        return tuple(m for m in cls if m.is_uniform)
+
+    @classmethod
+    def speculative(cls) -> Tuple["ForwardMode", ...]:
+        """The speculative modes, in declaration order."""
+        return tuple(m for m in cls if m.is_speculative)
 
 
 def _host_list(name: str, value: Optional[HostInts], bs: int) -> Optional[list]:

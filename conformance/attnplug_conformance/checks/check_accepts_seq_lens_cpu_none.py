@@ -35,7 +35,7 @@ def check_accepts_seq_lens_cpu_none(attnplug_capabilities, attnplug_world, attnp
     twins.step(ForwardMode.EXTEND, a, [5, 12, 9], **kw)
     twins.step(ForwardMode.EXTEND, a, [2, 1, 3], **kw)
     twins.step(ForwardMode.DECODE, a, **kw)
-    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+    for mode in ForwardMode.speculative():
         twins.step(mode, a, num_draft_tokens=new_tokens_of(mode, 3)[1], **kw)
     twins.step(ForwardMode.IDLE, **kw)
     for mode in graph_modes(caps.graphs):

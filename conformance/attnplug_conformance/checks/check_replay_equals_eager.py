@@ -30,7 +30,7 @@ from attnplug_conformance.support import (
 __all__ = ["check_replay_equals_eager"]
 
 _SIZES = {"exact": 4, "padded": 3, "eager_fallback": 6}
-CASES = [(m, k) for m in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) for k in _SIZES]
+CASES = [(m, k) for m in ForwardMode.uniform() for k in _SIZES]
 
 
 @conformance_check(rule=REPLAY)

@@ -34,9 +34,7 @@ METHOD = "init_forward_metadata_replay_cuda_graph"
 
 
 @conformance_check(rule=RULE_2)
-@pytest.mark.parametrize(
-    "mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND], ids=lambda m: m.name
-)
+@pytest.mark.parametrize("mode", ForwardMode.uniform(), ids=lambda m: m.name)
 def check_replay_metadata_sync_free(mode, attnplug_capabilities, attnplug_world):
     """Replay metadata makes no host read (suite detector + the device's sync guard)."""
     caps = attnplug_capabilities
