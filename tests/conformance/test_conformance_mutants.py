@@ -1,5 +1,5 @@
 """The conformance suite against its mutant catalogue: the deliberately broken backends of
-``tests/broken_backends.py`` and the subtle kernel bugs of ``tests/mutants.py``.
+``tests/broken_backends.py`` and the subtle kernel bugs of ``tests/mutants/`` (a package).
 
 For every mutant two things are shown:
 
