@@ -21,6 +21,22 @@ def padded_queries(q, keys, key_pos, md):
     return qp.view(bs, Q, Hkv, G, D), key_pos[:, None, :], q_pos[:, :, None]
 
 
+def visible(kp, qq, window, seq_lens=None):
+    """Which keys each query sees ``[bs, Q, K]``: causal, within ``window`` (None: all), and
+    below ``seq_lens`` when given."""
+    mask = kp <= qq
+    if seq_lens is not None:
+        mask = mask & (kp < seq_lens[:, None, None])
+    if window is not None:
+        mask = mask & (kp > qq - window)
+    return mask
+
+
+def qk_logits(qp, keys, scaling):
+    """The scaled q.k logits ``[bs, Hkv, G, Q, K]`` in float32."""
+    return torch.einsum("bqhgd,bkhd->bhgqk", qp, keys.float()) * scaling
+
+
 def per_token(out, md, dtype):
     """``out`` [bs, Q, Hkv, G, D] back to one row per token, [T, H, D] in ``dtype``."""
     bs, Q, Hkv, G, D = out.shape

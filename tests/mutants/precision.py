@@ -7,7 +7,7 @@ import torch
 
 from attnplug.backends.reference import ReferenceBackend
 
-from .layout import HALF, padded_queries, per_token
+from .layout import HALF, padded_queries, per_token, qk_logits, visible
 
 
 def _tile_mask(key_pos, keep):
@@ -84,12 +84,9 @@ class HalfPrecisionAccumulation(ReferenceBackend):
         if q.dtype not in HALF:
             return super()._attend(q, keys, values, key_pos, window, md, sinks=sinks)
         qp, kp, qq = padded_queries(q, keys, key_pos, md)
-        mask = kp <= qq
-        if window is not None:
-            mask = mask & (kp > qq - window)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", qp, keys.float()) * self.scaling
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-        out = _blocked_softmax_pv(scores, values, q.dtype, 32)  # [bs, Hkv, G, Q, D]
+        mask = visible(kp, qq, window)
+        logits = qk_logits(qp, keys, self.scaling).masked_fill(~mask[:, None, None], float("-inf"))
+        out = _blocked_softmax_pv(logits, values, q.dtype, 32)  # [bs, Hkv, G, Q, D]
         return per_token(out.permute(0, 3, 1, 2, 4), md, q.dtype)
 
 

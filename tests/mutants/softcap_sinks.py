@@ -8,7 +8,7 @@ import torch
 
 from attnplug.backends.reference import ReferenceBackend
 
-from .layout import padded_queries, per_token
+from .layout import padded_queries, per_token, qk_logits, visible
 
 
 class SoftcapAfterLog2eFold(ReferenceBackend):
@@ -28,19 +28,16 @@ def _attend_capped(backend, q, keys, values, key_pos, window, md, sinks, cap_fn)
     [bs, 1, K], q_pos [bs, Q, 1])`` (scores ``[bs, Hkv, G, Q, K]``): the mutants' hook."""
     qp, kp, qq = padded_queries(q, keys, key_pos, md)
     Hkv, G = qp.shape[2], qp.shape[3]
-    mask = (kp <= qq) & (kp < md.seq_lens[:, None, None])
-    if window is not None:
-        mask = mask & (kp > qq - window)
+    mask = visible(kp, qq, window, md.seq_lens)
     seen = mask.any(1)[:, :, None, None]
     keys, values = torch.where(seen, keys, 0), torch.where(seen, values, 0)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qp, keys.float()) * backend.scaling
-    scores = cap_fn(scores, kp[:, None, None], qq[:, None, None])
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    m = scores.amax(-1, keepdim=True)
+    logits = cap_fn(qk_logits(qp, keys, backend.scaling), kp[:, None, None], qq[:, None, None])
+    logits = logits.masked_fill(~mask[:, None, None], float("-inf"))
+    m = logits.amax(-1, keepdim=True)
     if sinks is not None:
         m = torch.maximum(m, sinks.float().view(1, Hkv, G, 1, 1))
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m)
+    p = torch.exp(logits - m)
     denom = p.sum(-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sinks.float().view(1, Hkv, G, 1, 1) - m)
