@@ -8,12 +8,16 @@ test names only what it changes: ``small_spec(sliding_window=6)``.
 * ``kernel_spec``: 2 layers (both SWA, window 6), 4 query / 2 KV heads of 64, float16, contexts
   of 48 tokens: the shape the CUDA kernels' tests (tests/cuda) run in the Triton interpreter
   (``swa_layer_ids=(0,)`` for one SWA layer and one full).
+
+``small_pool`` is the KV pool of the memory tests: 64 full and 32 SWA slots, layer 0 SWA and
+layer 1 full, 2 KV heads of 8, float32, on the host.
 """
 
 from __future__ import annotations
 
 import torch
 
+from attnplug.memory import SWAKVPool
 from attnplug_conformance.harness import WorldSpec
 
 SMALL = dict(
@@ -47,3 +51,20 @@ def tiny_spec(**overrides) -> WorldSpec:
 def kernel_spec(**overrides) -> WorldSpec:
     """``KERNEL`` with ``overrides``."""
     return WorldSpec(**{**KERNEL, **overrides})
+
+
+def small_pool(**overrides) -> SWAKVPool:
+    """An ``SWAKVPool`` of the memory tests' shape, with ``overrides`` (constructor arguments)."""
+    args = dict(
+        size=64,
+        size_swa=32,
+        num_layers=2,
+        swa_layer_ids=[0],
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        page_size=1,
+    )
+    args.update(overrides)
+    return SWAKVPool(**args)
