@@ -20,18 +20,9 @@ import torch
 from attnplug.memory import SWAKVPool
 from attnplug_conformance.harness import WorldSpec
 
-SMALL = dict(
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    dtype=torch.float32,
-    sliding_window=4,
-    size=512,
-    size_swa=256,
-    max_reqs=8,
-    max_context_len=64,
-)
+#: the model of ``small_spec``: 4 layers, 8 query / 2 KV heads of 32, float32
+SMALL_MODEL = dict(num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+SMALL = dict(SMALL_MODEL, sliding_window=4, size=512, size_swa=256, max_reqs=8, max_context_len=64)
 TINY = dict(SMALL, num_layers=2, num_heads=4, head_dim=16, size=256, size_swa=128, max_context_len=32)
 KERNEL = dict(
     TINY, head_dim=64, dtype=torch.float16, sliding_window=6, size=512, size_swa=256, max_reqs=6, max_context_len=48
@@ -55,16 +46,7 @@ def kernel_spec(**overrides) -> WorldSpec:
 
 def small_pool(**overrides) -> SWAKVPool:
     """An ``SWAKVPool`` of the memory tests' shape, with ``overrides`` (constructor arguments)."""
-    args = dict(
-        size=64,
-        size_swa=32,
-        num_layers=2,
-        swa_layer_ids=[0],
-        num_kv_heads=2,
-        head_dim=8,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        page_size=1,
-    )
+    args = dict(size=64, size_swa=32, num_layers=2, swa_layer_ids=[0], num_kv_heads=2, head_dim=8)
+    args.update(dtype=torch.float32, device=torch.device("cpu"), page_size=1)
     args.update(overrides)
     return SWAKVPool(**args)

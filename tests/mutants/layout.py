@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+#: spec overrides of the long-context witnesses: full attention only, 4 query heads on 1 KV head
+FULL_MQA = dict(sliding_window=None, swa_layer_ids=(), num_heads=4, num_kv_heads=1)
 
 
 def padded_queries(q, keys, key_pos, md):

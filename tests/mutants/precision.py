@@ -7,7 +7,7 @@ import torch
 
 from attnplug.backends.reference import ReferenceBackend
 
-from .layout import HALF, padded_queries, per_token, qk_logits, visible
+from .layout import FULL_MQA, HALF, padded_queries, per_token, qk_logits, visible
 
 
 def _tile_mask(key_pos, keep):
@@ -67,16 +67,7 @@ class HalfPrecisionAccumulation(ReferenceBackend):
 
     WITNESS = (
         "output",
-        dict(
-            dtype=torch.bfloat16,
-            max_context_len=4160,
-            size=8192,
-            size_swa=8192,
-            sliding_window=None,
-            swa_layer_ids=(),
-            num_heads=4,
-            num_kv_heads=1,
-        ),
+        dict(FULL_MQA, dtype=torch.bfloat16, max_context_len=4160, size=8192, size_swa=8192),
         [("EXTEND_DIRECT", [4100]), ("DECODE", None)],
     )
 

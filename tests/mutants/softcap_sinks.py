@@ -8,7 +8,7 @@ import torch
 
 from attnplug.backends.reference import ReferenceBackend
 
-from .layout import padded_queries, per_token, qk_logits, visible
+from .layout import FULL_MQA, padded_queries, per_token, qk_logits, visible
 
 
 class SoftcapAfterLog2eFold(ReferenceBackend):
@@ -73,16 +73,7 @@ class SinkInEverySplit(ReferenceBackend):
 
     WITNESS = (
         "output",
-        dict(
-            sinks=True,
-            max_context_len=576,
-            size=2048,
-            size_swa=1024,
-            sliding_window=None,
-            swa_layer_ids=(),
-            num_heads=4,
-            num_kv_heads=1,
-        ),
+        dict(FULL_MQA, sinks=True, max_context_len=576, size=2048, size_swa=1024),
         [("EXTEND_DIRECT", [520, 7]), ("DECODE", None)],
     )
 
