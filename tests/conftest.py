@@ -4,6 +4,8 @@ import sys
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)  # tests/oracle.py and the deliberately broken backends
 
+import pytest  # noqa: E402
+
 # Without an accelerator, Triton kernels run in the interpreter. This must be decided before
 # any kernel module is imported (the @triton.jit decorator reads it).
 import torch  # noqa: E402
@@ -21,3 +23,20 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): one worker a CPU, at most 4 (each worker holds its
     own interpreter, torch and Triton)."""
     return max(1, min(4, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def project_registry(tmp_path, monkeypatch):
+    """A registry of exactly the attnplug distribution's entry points (what the docs list),
+    made the process-wide one; no ``ATTNPLUG_*`` selection, KV-store or PDL flag of the caller."""
+    from attnplug import registry as R
+    from attnplug.registry import load_registry
+    from plugin_dists import entry_points_in, write_project_metadata
+
+    for name in ("ATTNPLUG_BACKEND", "ATTNPLUG_PLUGINS", "ATTNPLUG_KV_STORE", "ATTNPLUG_DISABLE_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    write_project_metadata(tmp_path)
+    registry = load_registry(entry_points=entry_points_in(tmp_path))
+    R.reset_registry(registry)
+    yield registry
+    R.reset_registry()

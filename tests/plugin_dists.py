@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
@@ -148,6 +149,26 @@ class DistTree:
     def entry_points(self) -> List[importlib.metadata.EntryPoint]:
         return entry_points_in(self.root)
 
+    def load(self, **kwargs):
+        """``load_registry`` over this tree's entry points only."""
+        from attnplug.registry import load_registry
+
+        return load_registry(entry_points=self.entry_points(), **kwargs)
+
+
+def one_error(registry, plugin: str):
+    """The one load error ``registry`` records for ``plugin``."""
+    matches = [e for e in registry.errors if e.plugin == plugin]
+    assert len(matches) == 1, registry.errors
+    return matches[0]
+
+
+def plugin_module(*registrations: str, body: str = "") -> types.ModuleType:
+    """A plugin as a module object (for ``extra_plugins``): ``plugin_source`` executed."""
+    module = types.ModuleType(unique("plugin_module"))
+    exec(plugin_source(registrations, body=body), module.__dict__)
+    return module
+
 
 # ---------------------------------------------------------------------------- stand-in backends
 class StandInBackend(AttentionBackend):
@@ -210,6 +231,26 @@ def _can_build_without_isolation() -> bool:
     return setuptools is not None and (at_least(setuptools, (70, 1)) or importlib.util.find_spec("wheel") is not None)
 
 
+def subprocess_env(*paths) -> Dict[str, str]:
+    """This process's environment without ``ATTNPLUG_*`` flags, with ``paths`` and then the
+    project's source folders as the PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPLUG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + [str(p) for p in PROJECT_PATHS])
+    return env
+
+
+def run_cli(env: Dict[str, str], *args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``python -m attnplug.cli ARGS`` as a user runs it, in ``env`` and ``cwd``."""
+    return subprocess.run(
+        [sys.executable, "-m", "attnplug.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(cwd),
+    )
+
+
 def install_plugins(sources: Iterable[Path], tmp: Path) -> Dict[str, str]:
     """``pip install --no-deps --target tmp/site`` the plugin source folders, write the attnplug
     distribution's own entry points into ``tmp/meta`` (as an install writes them) and return
@@ -222,6 +263,4 @@ def install_plugins(sources: Iterable[Path], tmp: Path) -> Dict[str, str]:
     out = subprocess.run(cmd + [str(p) for p in sources], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     write_project_metadata(meta)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPLUG_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(meta)] + [str(p) for p in PROJECT_PATHS])
-    return env
+    return subprocess_env(site, meta)

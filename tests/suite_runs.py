@@ -1,11 +1,13 @@
-"""Runs of the conformance suite inside the test process, cached per (backend, -k, -x) so that
-the tests that look at one run share it (tests/conformance/test_conformance_fails_broken.py,
-tests/conformance/test_conformance_mutants.py)."""
+"""Runs of pytest with the conformance plugin inside the test process: the conformance suite,
+cached per (backend, -k, -x) so that the tests that look at one run share it
+(tests/conformance/test_conformance_fails_broken.py, tests/conformance/test_conformance_mutants.py),
+its collection, and pytest on a scratch directory (tests/conformance/test_conformance_plugin.py)."""
 
 from __future__ import annotations
 
 import functools
 import time
+from typing import List, Tuple
 
 import pytest
 
@@ -13,59 +15,48 @@ from attnplug_conformance.plugin import CHECKS_DIR
 from attnplug_conformance.runner import ResultCollector, pytest_plugin_args
 
 
+def run_pytest(*args: str) -> Tuple[int, ResultCollector]:
+    """``pytest ARGS`` in this process with the conformance plugin, quiet and without a cache:
+    ``(exit code, the collector of its results)``."""
+    collector = ResultCollector()
+    common = ["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    code = pytest.main([*args, *pytest_plugin_args(), *common], plugins=[collector])
+    return int(code), collector
+
+
+def _suite(backend: str, *args: str) -> Tuple[int, ResultCollector]:
+    # no:unraisableexception: its session cleanup runs gc.collect() five times (about half a
+    # second per run with torch loaded); the outer session still reports unraisable exceptions.
+    return run_pytest(str(CHECKS_DIR), "--attnplug-backend", backend, "-p", "no:unraisableexception", *args)
+
+
 @functools.lru_cache(maxsize=None)
 def run_suite(backend: str, keyword: str = "", exitfirst: bool = False):
     """``(results {nodeid: TestResult}, seconds)`` of the suite against ``backend``
     (``-k keyword`` when given; ``-x`` when ``exitfirst``)."""
-    collector = ResultCollector()
-    # no:unraisableexception: its session cleanup runs gc.collect() five times (about half a
-    # second per run with torch loaded); the outer session still reports unraisable exceptions.
-    args = [
-        str(CHECKS_DIR),
-        "--attnplug-backend",
-        backend,
-        *pytest_plugin_args(),
-        "-q",
-        "--tb=no",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:unraisableexception",
-        "-W",
-        "ignore::pytest.PytestAssertRewriteWarning",
-    ]
+    args = ["--tb=no"]
     if keyword:
         args += ["-k", keyword]
     if exitfirst:
         args += ["-x"]
     start = time.perf_counter()
-    code = pytest.main(args, plugins=[collector])
+    code, collector = _suite(backend, *args)
     elapsed = time.perf_counter() - start
     assert code in (0, 1), f"pytest exited with {code} for {backend}: {collector.collect_errors}"
     assert collector.results, f"nothing ran for {backend}"
     return collector.results, elapsed
 
 
+def collect_suite(*args: str) -> Tuple[int, List[str]]:
+    """``(exit code, node ids in run order)`` of the suite collected against the reference backend."""
+    code, collector = _suite("reference", "--collect-only", *args)
+    return code, list(collector.results)
+
+
 @functools.lru_cache(maxsize=None)
 def quick_profile_size() -> int:
     """How many tests ``--attnplug-quick`` selects (the first round and every declared shape):
     the run order's leading tests."""
-    collector = ResultCollector()
-    code = pytest.main(
-        [
-            str(CHECKS_DIR),
-            "--attnplug-backend",
-            "reference",
-            *pytest_plugin_args(),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:unraisableexception",
-            "--collect-only",
-            "--attnplug-quick",
-        ],
-        plugins=[collector],
-    )
-    assert code == 0 and collector.results, f"collecting the quick profile exited with {code}"
-    return len(collector.results)
+    code, nodeids = collect_suite("--attnplug-quick")
+    assert code == 0 and nodeids, f"collecting the quick profile exited with {code}"
+    return len(nodeids)

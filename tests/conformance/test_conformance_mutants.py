@@ -1,5 +1,5 @@
 """The conformance suite against its mutant catalogue: the deliberately broken backends of
-``tests/broken_backends.py`` and the subtle kernel bugs of ``tests/mutants.py``.
+``tests/broken_backends.py`` and the subtle kernel bugs of ``tests/mutants/`` (a package).
 
 For every mutant two things are shown:
 
@@ -30,6 +30,7 @@ from attnplug_conformance.long_context import dense_attention
 from attnplug_conformance.model_check import transformers_missing
 from attnplug_conformance.plugin import check_names
 from attnplug_conformance.rules import ALL_RULES
+from worlds import small_spec
 
 #: broken_backends classes that must fail the suite (HonestPdl is correct; DirtyTailDeclared
 #: declares its failure and is reported as a strict xfail)
@@ -115,20 +116,7 @@ def test_catalogue_size_and_mutation_score():
 
 # ---------------------------------------------------------------------------- each mutant is really wrong
 def _spec(**overrides) -> WorldSpec:
-    base = dict(
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=32,
-        dtype=torch.float32,
-        sliding_window=4,
-        size=512,
-        size_swa=512,
-        max_reqs=12,
-        max_context_len=64,
-    )
-    base.update(overrides)
-    return WorldSpec(**base)
+    return small_spec(**{"size_swa": 512, "max_reqs": 12, **overrides})
 
 
 def _relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:

@@ -7,28 +7,15 @@ import textwrap
 
 import pytest
 
-from attnplug_conformance.runner import ResultCollector, pytest_plugin_args
+from suite_runs import collect_suite, run_pytest
 
 ADOPTION_LINE = "from attnplug_conformance.suite import *  # noqa: F401,F403\n"
 
 
 def run(path, *args, monkeypatch):
     monkeypatch.chdir(path)
-    collector = ResultCollector()
-    code = pytest.main(
-        [
-            str(path),
-            *pytest_plugin_args(),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-W",
-            "ignore::pytest.PytestAssertRewriteWarning",
-            *args,
-        ],
-        plugins=[collector],
-    )
-    return int(code), collector.results
+    code, collector = run_pytest(str(path), *args)
+    return code, collector.results
 
 
 def test_inert_without_the_option(tmp_path, monkeypatch):
@@ -112,26 +99,12 @@ def test_unknown_backend_is_a_usage_error_naming_the_alternatives(tmp_path, monk
 
 
 def test_quick_profile_runs_the_first_round_and_every_shape_in_run_order(monkeypatch, tmp_path):
-    from attnplug_conformance.plugin import CHECKS_DIR, check_names
+    from attnplug_conformance.plugin import check_names
 
     def collected(*args):
-        collector = ResultCollector()
-        code = pytest.main(
-            [
-                str(CHECKS_DIR),
-                "--attnplug-backend",
-                "reference",
-                *pytest_plugin_args(),
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "--collect-only",
-                *args,
-            ],
-            plugins=[collector],
-        )
+        code, nodeids = collect_suite(*args)
         assert code == 0
-        return [nodeid.split("::")[-1] for nodeid in collector.results]
+        return [nodeid.split("::")[-1] for nodeid in nodeids]
 
     monkeypatch.chdir(tmp_path)
     full, quick = collected(), collected("--attnplug-quick")

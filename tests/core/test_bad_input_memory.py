@@ -19,6 +19,7 @@ import torch
 
 from attnplug.memory import KVSlotError, OutOfKVSlots, ReqToTokenPool, SWAKVPool, SWATokenAllocator
 from memory_snapshot import assert_same, snapshot
+from worlds import small_pool
 
 CPU = torch.device("cpu")
 SIZE, SIZE_SWA, H, D, MAX_REQS, MAX_LEN, WINDOW = 64, 32, 2, 8, 5, 64, 3
@@ -349,22 +350,6 @@ def test_bad_input_is_refused_and_changes_nothing(case: Case):
 
 
 # ---------------------------------------------------------------------- construction
-def _pool(**overrides):
-    args = dict(
-        size=64,
-        size_swa=32,
-        num_layers=2,
-        swa_layer_ids=[0],
-        num_kv_heads=H,
-        head_dim=D,
-        dtype=torch.float32,
-        device=CPU,
-        page_size=1,
-    )
-    args.update(overrides)
-    return SWAKVPool(**args)
-
-
 BAD_POOLS = [
     ({"dtype": torch.int32}, ["dtype", "int32"]),
     ({"dtype": torch.int64}, ["dtype", "int64"]),
@@ -389,14 +374,14 @@ if hasattr(torch, "float8_e4m3fn"):
 @pytest.mark.parametrize("overrides, needles", BAD_POOLS, ids=[repr(o) for o, _ in BAD_POOLS])
 def test_pool_construction_refuses_loose_types(overrides, needles):
     with pytest.raises(ValueError) as info:
-        _pool(**overrides)
+        small_pool(**overrides)
     for needle in needles:
         assert needle in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_pool_accepts_the_floating_dtypes_it_serves(dtype):
-    pool = _pool(dtype=dtype)
+    pool = small_pool(dtype=dtype)
     k = torch.ones(1, H, D, dtype=dtype)
     pool.set_kv_buffer(1, torch.tensor([3]), k, k)
     assert pool.k_buffer[1].dtype == dtype and bool(pool.k_buffer[1][3].eq(1).all())

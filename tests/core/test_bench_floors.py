@@ -10,19 +10,10 @@ from attnplug import ForwardMode
 from attnplug.backends.reference import ReferenceBackend
 from attnplug.bench import Ctx
 from attnplug.bench.floors import StepFloor, keys_reached, step_bytes
-from attnplug.bench.step_case import (
-    PeerUnavailable,
-    PrepCheck,
-    StepPeer,
-    StepRatio,
-    StepShape,
-    StepVariant,
-    run_step_benchmark,
-)
+from attnplug.bench.step_case import PeerUnavailable, PrepCheck, StepPeer, StepRatio, StepVariant
+from bench_runs import quick_step_benchmark, small_step_shape
 
-SHAPE = StepShape(
-    num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, context=32, window=8, num_draft=2, dtype=torch.float32
-)
+SHAPE = small_step_shape()
 
 
 def test_step_bytes_of_the_hybrid_step_shape():
@@ -84,22 +75,7 @@ def _scaled(*args, **kwargs):
 
 def _run(variants, **kw):
     ctx = Ctx(backend_cls=ReferenceBackend)
-    rows = run_step_benchmark(
-        ctx,
-        name="t",
-        shape=SHAPE,
-        variants=variants,
-        baseline="base",
-        modes=(ForwardMode.DECODE,),
-        sizes=(1, 2),
-        steps=lambda bs: 1,
-        repeats=1,
-        warmup=0,
-        copy_bytes=1 << 16,
-        need_s=0,
-        **kw,
-    )
-    return rows
+    return quick_step_benchmark(ctx, name="t", shape=SHAPE, variants=variants, baseline="base", sizes=(1, 2), **kw)
 
 
 def test_floor_ratio_peer_and_prep_rows():

@@ -16,20 +16,11 @@ from attnplug import ForwardMode, GraphRunner
 from attnplug.backends.reference import ReferenceBackend
 from attnplug.graphs import EagerGraph, StreamGraph, collector_paused, stream_graph
 from attnplug.graphs.stream_graph import WARMUP_RUNS
-from attnplug_conformance.harness import World, WorldSpec
+from attnplug_conformance.harness import World
 from fake_graph_device import FakeDevice
+from worlds import tiny_spec
 
-SPEC = WorldSpec(
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    sliding_window=4,
-    size=256,
-    size_swa=128,
-    max_reqs=8,
-    max_context_len=32,
-)
+SPEC = tiny_spec()
 
 
 @pytest.fixture

@@ -8,20 +8,11 @@ import torch
 from attnplug import EagerGraph, ForwardMode, GraphRunner, GraphSupport
 from attnplug.backends.reference import ReferenceBackend
 from attnplug.graphs import GraphCaptureError, default_bucket_sizes
-from attnplug_conformance.harness import World, WorldSpec
+from attnplug_conformance.harness import World
 from oracle import assert_close_rel, dense_attention
+from worlds import small_spec
 
-SPEC = WorldSpec(
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    sliding_window=6,
-    size=512,
-    size_swa=256,
-    max_reqs=12,
-    max_context_len=64,
-)
+SPEC = small_spec(sliding_window=6, max_reqs=12)
 
 
 def _prefilled(n_reqs, seed=3):

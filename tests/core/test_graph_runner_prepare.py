@@ -8,21 +8,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnplug import ForwardMode
 from attnplug.backends.reference import ReferenceBackend
-from attnplug_conformance.harness import World, WorldSpec
+from attnplug_conformance.harness import World
 from attnplug_conformance.sync_detector import SyncDetector
 from oracle import assert_close_rel
+from worlds import tiny_spec
 
-SPEC = WorldSpec(
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    sliding_window=6,
-    size=256,
-    size_swa=128,
-    max_reqs=10,
-    max_context_len=48,
-)
+SPEC = tiny_spec(sliding_window=6, max_reqs=10, max_context_len=48)
 
 
 def _world(cls=ReferenceBackend, n_reqs=5, seed=4):

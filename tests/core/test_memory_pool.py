@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attnplug.memory import KVSlotError, OutOfReqSlots, ReqToTokenPool, SWAKVPool, SWATokenAllocator
+from worlds import small_pool
 
 CPU = torch.device("cpu")
 H, D = 2, 8
@@ -42,20 +43,8 @@ def test_buffers_and_mapping_layout(page_size):
     ],
 )
 def test_pool_rejects_bad_configuration(kwargs, needle):
-    args = dict(
-        size=32,
-        size_swa=16,
-        num_layers=4,
-        swa_layer_ids=[0],
-        num_kv_heads=H,
-        head_dim=D,
-        dtype=torch.float32,
-        device=CPU,
-        page_size=1,
-    )
-    args.update(kwargs)
     with pytest.raises(ValueError) as info:
-        SWAKVPool(**args)
+        small_pool(**{"size": 32, "size_swa": 16, "num_layers": 4, **kwargs})
     assert needle in str(info.value)
 
 

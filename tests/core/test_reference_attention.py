@@ -5,25 +5,16 @@ import torch
 
 from attnplug import ForwardMode
 from attnplug.backends.reference import ReferenceBackend
-from attnplug_conformance.harness import World, WorldSpec
+from attnplug_conformance.harness import World
 from oracle import assert_close_rel, dense_attention
+from worlds import small_spec
 
 PREFILL = [5, 12, 16]
 
 
 def _world(num_kv_heads, window, page_size=1, head_dim=32, dtype=torch.float32):
-    spec = WorldSpec(
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        sliding_window=window,
-        page_size=page_size,
-        size=512,
-        size_swa=256,
-        max_reqs=8,
-        max_context_len=64,
+    spec = small_spec(
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, sliding_window=window, page_size=page_size
     )
     return World(spec, ReferenceBackend, "cpu", seed=7)
 

@@ -9,8 +9,9 @@ import pytest
 
 from attnplug import ForwardMode
 from attnplug.backends.reference import ReferenceBackend
-from attnplug_conformance.harness import World, WorldSpec
+from attnplug_conformance.harness import World
 from oracle import assert_close_rel, dense_attention
+from worlds import small_spec
 
 NDT = 3
 
@@ -26,18 +27,7 @@ def _check(world, step, out):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_multi_step_scenario(use_graphs, page_size):
     rng = random.Random(1234 + page_size)
-    spec = WorldSpec(
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=16,
-        sliding_window=7,
-        page_size=page_size,
-        size=1024,
-        size_swa=256,
-        max_reqs=10,
-        max_context_len=128,
-    )
+    spec = small_spec(head_dim=16, sliding_window=7, page_size=page_size, size=1024, max_reqs=10, max_context_len=128)
     world = World(spec, ReferenceBackend, "cpu", seed=11)
     runner = world.graph_runner(max_bs=4, num_draft_tokens=NDT, bucket_sizes=[1, 2, 4]) if use_graphs else None
     full0, swa0 = world.alloc.full_available_size(), world.alloc.swa_available_size()

@@ -14,21 +14,9 @@ import softcap_sinks_cases as cases
 from attnplug import Capabilities, ForwardMode, GraphSupport
 from attnplug.backends.portable import PortableBackend
 from attnplug.backends.reference import ReferenceBackend
-from attnplug_conformance.harness import WorldSpec
+from worlds import small_spec
 
-SPEC = WorldSpec(
-    num_layers=4,  # 3 SWA layers (window 4, smaller than the sequences) + 1 full
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    dtype=torch.float32,
-    sliding_window=4,
-    size=512,
-    size_swa=256,
-    max_reqs=8,
-    max_context_len=64,
-    scramble_swa=True,
-)
+SPEC = small_spec(scramble_swa=True)  # 3 SWA layers (window 4, smaller than the sequences) + 1 full
 BACKENDS = [ReferenceBackend, PortableBackend]
 
 

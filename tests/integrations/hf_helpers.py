@@ -20,6 +20,22 @@ def random_prompts(lengths, seed=1, vocab=256):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def one_request_batch(mode, row, seq_len, out_cache_loc, positions, extend_len=None):
+    """The ``ForwardBatch`` of one request (table row ``row``, ``seq_len`` tokens after the step)
+    on ``positions``' device; ``extend_len``: the tokens an EXTEND step adds."""
+    dev = positions.device
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=1,
+        req_pool_indices=torch.tensor([row], device=dev),
+        seq_lens=torch.tensor([seq_len], device=dev),
+        out_cache_loc=out_cache_loc,
+        positions=positions,
+        extend_seq_lens=None if extend_len is None else torch.tensor([extend_len], device=dev),
+        extend_seq_lens_cpu=None if extend_len is None else [extend_len],
+    )
+
+
 def one_request_logits(runner, prompt, chunks):
     """Run ``prompt`` through ``runner`` in EXTEND chunks, then one DECODE step of its last
     token; returns the logits of every position (float32 [len(prompt) + 1, vocab])."""
@@ -35,16 +51,7 @@ def one_request_logits(runner, prompt, chunks):
         rows.req_to_token[row, seq : seq + n] = loc.to(torch.int32)
         slots += loc.tolist()
         positions = torch.arange(seq, seq + n, device=dev)
-        batch = ForwardBatch(
-            forward_mode=mode,
-            batch_size=1,
-            req_pool_indices=torch.tensor([row], device=dev),
-            seq_lens=torch.tensor([seq + n], device=dev),
-            out_cache_loc=loc,
-            positions=positions,
-            extend_seq_lens=torch.tensor([n], device=dev) if mode is ForwardMode.EXTEND else None,
-            extend_seq_lens_cpu=[n] if mode is ForwardMode.EXTEND else None,
-        )
+        batch = one_request_batch(mode, row, seq + n, loc, positions, n if mode is ForwardMode.EXTEND else None)
         out.append(runner.forward(batch, torch.tensor(tokens[seq : seq + n], device=dev), positions))
         seq += n
         alloc.evict_out_of_window(rows, row, seq, runner.spec.sliding_window or 10**6)

@@ -7,7 +7,6 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'attnplug[hf]')")
 
-from attnplug import registry as R  # noqa: E402
 from attnplug.backends.reference import ReferenceBackend  # noqa: E402
 from attnplug.integrations.transformers.support import (  # noqa: E402
     TABLE_BEGIN,
@@ -15,22 +14,9 @@ from attnplug.integrations.transformers.support import (  # noqa: E402
     architecture_features,
     support_table_markdown,
 )
-from attnplug.registry import load_registry  # noqa: E402
-from plugin_dists import ROOT, entry_points_in, write_project_metadata  # noqa: E402
+from plugin_dists import ROOT  # noqa: E402
 
 DOC = ROOT / "docs" / "models.md"
-
-
-@pytest.fixture
-def project_registry(tmp_path, monkeypatch):
-    """A registry of exactly the attnplug distribution's entry points (what the doc lists)."""
-    for name in ("ATTNPLUG_BACKEND", "ATTNPLUG_PLUGINS"):
-        monkeypatch.delenv(name, raising=False)
-    write_project_metadata(tmp_path)
-    registry = load_registry(entry_points=entry_points_in(tmp_path))
-    R.reset_registry(registry)
-    yield registry
-    R.reset_registry()
 
 
 def test_the_support_table_in_the_docs_is_up_to_date(project_registry):

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'attnplug[hf]')")
 
-from hf_helpers import hf_greedy, one_request_logits, random_prompts  # noqa: E402
+from hf_helpers import hf_greedy, one_request_batch, one_request_logits, random_prompts  # noqa: E402
 
-from attnplug import ForwardBatch, ForwardMode  # noqa: E402
+from attnplug import ForwardMode  # noqa: E402
 from attnplug.backends.reference import ReferenceBackend  # noqa: E402
 from attnplug.integrations.transformers import (  # noqa: E402
     Engine,
@@ -90,16 +90,7 @@ def test_logits_indices_and_forward_graph():
     loc = alloc.alloc_extend([0], [6], [-1])
     rows.req_to_token[row, :6] = loc.to(torch.int32)
     ids, pos = torch.tensor([5, 9, 11, 40, 41, 7]), torch.arange(6)
-    batch = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=1,
-        req_pool_indices=torch.tensor([row]),
-        seq_lens=torch.tensor([6]),
-        out_cache_loc=loc,
-        positions=pos,
-        extend_seq_lens=torch.tensor([6]),
-        extend_seq_lens_cpu=[6],
-    )
+    batch = one_request_batch(ForwardMode.EXTEND, row, 6, loc, pos, extend_len=6)
     full = runner.forward(batch, ids, pos)
     assert full.shape == (6, runner.vocab_size) and full.dtype == torch.float32
     picked = runner.forward(batch, ids, pos, logits_indices=torch.tensor([2, 5]))
@@ -109,14 +100,7 @@ def test_logits_indices_and_forward_graph():
 
     dec = alloc.alloc_decode([7], [loc[-1].item()])
     rows.req_to_token[row, 6] = dec.to(torch.int32)
-    step = ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=1,
-        req_pool_indices=torch.tensor([row]),
-        seq_lens=torch.tensor([7]),
-        out_cache_loc=dec,
-        positions=torch.tensor([6]),
-    )
+    step = one_request_batch(ForwardMode.DECODE, row, 7, dec, torch.tensor([6]))
     eager = runner.forward(step, torch.tensor([3]), torch.tensor([6])).clone()
     runner.enable_graphs()
     replayed = runner.forward_graph(step, torch.tensor([3]), torch.tensor([6]))

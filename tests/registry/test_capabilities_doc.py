@@ -7,24 +7,10 @@ import pytest
 import torch
 
 from attnplug import cli
-from attnplug import registry as R
 from attnplug.capabilities_doc import capabilities_markdown
-from attnplug.registry import load_registry
-from plugin_dists import ROOT, entry_points_in, write_project_metadata
+from plugin_dists import ROOT
 
 DOC = ROOT / "docs" / "capabilities.md"
-
-
-@pytest.fixture
-def project_registry(tmp_path, monkeypatch):
-    """A registry of exactly the attnplug distribution's entry points (what the doc lists)."""
-    for name in ("ATTNPLUG_BACKEND", "ATTNPLUG_PLUGINS", "ATTNPLUG_KV_STORE", "ATTNPLUG_DISABLE_PDL"):
-        monkeypatch.delenv(name, raising=False)
-    write_project_metadata(tmp_path)
-    registry = load_registry(entry_points=entry_points_in(tmp_path))
-    R.reset_registry(registry)
-    yield registry
-    R.reset_registry()
 
 
 def test_capabilities_doc_is_up_to_date(project_registry):

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import types
 
 import pytest
 import torch
@@ -15,32 +11,29 @@ import attnplug
 from attnplug import cli
 from attnplug import registry as R
 from attnplug.registry import load_registry
-from plugin_dists import PROJECT_PATHS, ROOT, DistTree, plugin_source, reg, write_project_metadata
+from plugin_dists import (
+    ROOT,
+    DistTree,
+    plugin_module,
+    plugin_source,
+    reg,
+    run_cli,
+    subprocess_env,
+    write_project_metadata,
+)
 
-
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    monkeypatch.delenv("ATTNPLUG_BACKEND", raising=False)
-    monkeypatch.delenv("ATTNPLUG_PLUGINS", raising=False)
-    yield
-    R.reset_registry()
-
-
-def _module(*registrations, body=""):
-    module = types.ModuleType(f"cli_test_plugin_{id(registrations)}")
-    exec(plugin_source(registrations, body=body), module.__dict__)
-    return module
+pytestmark = pytest.mark.usefixtures("clean_registry")
 
 
 @pytest.fixture
 def fake_registry():
-    good = _module(
+    good = plugin_module(
         reg("described", target="plugin_dists:DescribedStandIn", priority=10),
         reg("plain", target="plugin_dists:OtherStandIn", priority=5),
         reg("broken-describe", target="plugin_dists:BrokenDescribeStandIn", priority=1),
         reg("offline", priority=50, available=False, reason="no widget attached"),
     )
-    outdated = _module(reg("old"))
+    outdated = plugin_module(reg("old"))
     outdated.PLUGIN_API_VERSION = "0.3"
     registry = load_registry(entry_points=[], extra_plugins=[("good", good), ("outdated", outdated)])
     R.reset_registry(registry)
@@ -75,7 +68,7 @@ def test_info_json(fake_registry, capsys):
 
 def test_info_json_reports_selection_problems(capsys, monkeypatch):
     R.reset_registry(
-        load_registry(entry_points=[], extra_plugins=[("p", _module(reg("a", priority=3), reg("b", priority=3)))])
+        load_registry(entry_points=[], extra_plugins=[("p", plugin_module(reg("a", priority=3), reg("b", priority=3)))])
     )
     cli.main(["info", "--json"])
     data = json.loads(capsys.readouterr().out)
@@ -108,7 +101,7 @@ def test_info_table(fake_registry, capsys):
 
 
 def test_info_table_without_errors(capsys):
-    R.reset_registry(load_registry(entry_points=[], extra_plugins=[("p", _module(reg("solo")))]))
+    R.reset_registry(load_registry(entry_points=[], extra_plugins=[("p", plugin_module(reg("solo")))]))
     cli.main(["info"])
     out = capsys.readouterr().out
     assert "solo *" in out and "no plugin load errors" in out
@@ -143,16 +136,7 @@ def test_info_json_subprocess_with_the_project_entry_points(tmp_path):
     DistTree(site).add(
         "attnplug-flaky", {"flaky": plugin_source(body="raise ImportError('libflaky.so missing')")}, version="0.0.1"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNPLUG_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(site)] + [str(p) for p in PROJECT_PATHS])
-    out = subprocess.run(
-        [sys.executable, "-m", "attnplug.cli", "info", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=str(tmp_path),
-    )
+    out = run_cli(subprocess_env(site), "info", "--json", cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     rows = {row["name"]: row for row in data["backends"]}
