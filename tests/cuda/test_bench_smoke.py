@@ -26,7 +26,8 @@ pytest.importorskip("triton")
 
 from attnplug import ForwardMode  # noqa: E402
 from attnplug.backends.reference import ReferenceBackend  # noqa: E402
-from attnplug_conformance.harness import World, WorldSpec  # noqa: E402
+from attnplug_conformance.harness import World  # noqa: E402
+from worlds import tiny_spec  # noqa: E402
 
 BENCH_MODULES = [
     "__init__",
@@ -41,17 +42,7 @@ BENCH_MODULES = [
     "flashinfer_peer",
 ]
 ON_CPU = not torch.cuda.is_available()
-SPEC = WorldSpec(
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    sliding_window=5,
-    size=256,
-    size_swa=128,
-    max_reqs=6,
-    max_context_len=32,
-)
+SPEC = tiny_spec(num_layers=4, sliding_window=5, max_reqs=6)
 
 
 def _load_cli():

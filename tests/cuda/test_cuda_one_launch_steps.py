@@ -15,26 +15,14 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from attnplug import ForwardMode  # noqa: E402
-from attnplug_conformance.harness import World, WorldSpec  # noqa: E402
+from attnplug_conformance.harness import World  # noqa: E402
 from attnplug_cuda.backend import CudaBackend  # noqa: E402
 from attnplug_cuda.planner import Path  # noqa: E402
 from attnplug_cuda.tuning import CudaTuning  # noqa: E402
+from worlds import kernel_spec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SPEC = WorldSpec(
-    num_layers=2,
-    swa_layer_ids=(0,),
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    dtype=torch.float16,
-    sliding_window=6,
-    size=512,
-    size_swa=256,
-    max_reqs=6,
-    max_context_len=96,
-    scramble_swa=True,
-)
+SPEC = kernel_spec(swa_layer_ids=(0,), max_context_len=96, scramble_swa=True)
 
 
 def tuned(**changes):

@@ -15,22 +15,12 @@ pytest.importorskip("triton")
 
 from attnplug import BatchError, ForwardBatch, ForwardMode  # noqa: E402
 from attnplug.backends.reference import ReferenceBackend  # noqa: E402
-from attnplug_conformance.harness import World, WorldSpec  # noqa: E402
+from attnplug_conformance.harness import World  # noqa: E402
 from attnplug_cuda.backend import CudaBackend  # noqa: E402
+from worlds import kernel_spec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SPEC = WorldSpec(
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    dtype=torch.float16,
-    sliding_window=6,
-    size=512,
-    size_swa=256,
-    max_reqs=8,
-    max_context_len=48,
-)
+SPEC = kernel_spec(max_reqs=8)
 
 
 def _world(cls=CudaBackend, n_reqs=4):

@@ -14,24 +14,11 @@ pytest.importorskip("triton")
 
 import softcap_sinks_cases as cases  # noqa: E402
 from attnplug import ForwardMode  # noqa: E402
-from attnplug_conformance.harness import WorldSpec  # noqa: E402
 from attnplug_cuda.backend import CudaBackend  # noqa: E402
+from worlds import kernel_spec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SPEC = WorldSpec(
-    num_layers=2,  # one SWA layer (window 4, smaller than the sequences), one full
-    swa_layer_ids=(0,),
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    dtype=torch.float16,
-    sliding_window=4,
-    size=512,
-    size_swa=256,
-    max_reqs=6,
-    max_context_len=48,
-    scramble_swa=True,
-)
+SPEC = kernel_spec(swa_layer_ids=(0,), sliding_window=4, scramble_swa=True)  # one SWA layer, one full
 
 
 def test_softcap_and_sinks_match_float64_eager_and_replayed():
