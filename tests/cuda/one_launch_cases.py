@@ -12,9 +12,9 @@ from typing import List, Optional
 import torch
 
 from attnplug.oracle import exact_attention
-from attnplug_cuda.kernels.common import KeyTable, num_sms
+from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, num_sms
 from attnplug_cuda.kernels.store_attend import store_attend
-from attnplug_cuda.planner import plan_one_launch
+from attnplug_cuda.planner import LaunchShape, plan_one_launch
 from attnplug_cuda.tuning import CudaTuning
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
@@ -98,17 +98,8 @@ def run_case(
     workspace = torch.empty(4 * 132 * 16 * (D + 2) * 4, dtype=torch.float32, device=device)
     bound = tab.shape[1] if max_kv_len is None else max_kv_len
     tuning = CudaTuning()
-    plan = plan_one_launch(
-        num_reqs=bs + padded,
-        num_kv_heads=Hkv,
-        group=H // Hkv,
-        head_dim=D,
-        max_q_len=q_len,
-        max_kv_len=bound,
-        window=window,
-        num_sms=num_sms(torch.device(device)),
-        tuning=tuning,
-    )
+    shape = LaunchShape(bs + padded, T, Hkv, H // Hkv, D, q_len, bound, window, num_sms(torch.device(device)))
+    plan = plan_one_launch(shape, tuning)
     if splits:
         chunk = max(1, min(splits, tuning.merge_rows // plan.ROWS))  # as the planner takes it
         plan = plan._replace(NUM_SPLITS=splits, MERGE_CHUNK=chunk)
@@ -116,26 +107,14 @@ def run_case(
     if keep is not None:
         keep["workspace"] = workspace
         keep["plan"] = plan
+    cu = torch.arange(0, T + 1, q_len, dtype=torch.int32, device=device)
+    keys = KeyTable.of(to(tab), torch.tensor(rows, dtype=torch.int64, device=device), to(window_start))
+    seq_t = torch.tensor(seq_all, dtype=torch.int32, device=device)
+    inputs = AttentionInputs(cu, seq_t, keys, q_len, 0.3, window, softcap, to(sinks))
+    out = torch.empty(T, H, D, dtype=dtype, device=device)
+    loc_arg = to(loc) if store else None
     out = store_attend(
-        to(q),
-        to(k),
-        to(v),
-        to(loc) if store else None,
-        kc,
-        vc,
-        torch.empty(T, H, D, dtype=dtype, device=device),
-        cu_q_lens=torch.arange(0, T + 1, q_len, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_all, dtype=torch.int32, device=device),
-        keys=KeyTable.of(to(tab), torch.tensor(rows, dtype=torch.int64, device=device), to(window_start)),
-        max_q_len=q_len,
-        plan=plan,
-        sm_scale=0.3,
-        window=window,
-        workspace=workspace,
-        tickets=tickets,
-        softcap=softcap,
-        sinks=to(sinks),
-        pdl=pdl,
+        to(q), to(k), to(v), loc_arg, kc, vc, out, inputs, plan, workspace=workspace, tickets=tickets, pdl=pdl
     )
     real_T = bs * q_len
     expected = exact_attention(

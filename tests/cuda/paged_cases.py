@@ -14,11 +14,11 @@ from typing import List, Optional
 import torch
 
 from attnplug_cuda.kernels import pdl_supported
-from attnplug_cuda.kernels.common import KeyTable, NewRows, num_sms
+from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, NewRows, num_sms
 from attnplug_cuda.kernels.paged_attention import paged_attention
 from attnplug_cuda.kernels.pdl import Schedule
 from attnplug_cuda.kernels.step_metadata import step_metadata
-from attnplug_cuda.planner import plan_paged
+from attnplug_cuda.planner import LaunchShape, plan_paged
 from attnplug_cuda.tuning import CudaTuning
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -29,32 +29,23 @@ def plan_for(q, k_cache, *, max_q_len, max_kv_len, window, num_reqs, config=None
     """The planner's plan for this launch shape (the default tuning), ``config`` fields replaced."""
     T, H, D = q.shape
     hkv = k_cache.shape[1]
-    plan = plan_paged(
-        num_reqs=num_reqs,
-        num_tokens=T,
-        num_kv_heads=hkv,
-        group=H // hkv,
-        head_dim=D,
-        max_q_len=max_q_len,
-        max_kv_len=max_kv_len,
-        window=window,
-        num_sms=num_sms(q.device),
-        tuning=CudaTuning(),
-    )
-    return plan._replace(**(config or {}))
+    shape = LaunchShape(num_reqs, T, hkv, H // hkv, D, max_q_len, max_kv_len, window, num_sms(q.device))
+    return plan_paged(shape, CudaTuning())._replace(**(config or {}))
 
 
-def attend(q, k_cache, v_cache, out, *, cu_q_lens, table, rows, start=None, max_q_len, max_kv_len, window=None,
-           config=None, k=None, v=None, loc=None, **kw):  # fmt: skip
+def attend(q, k_cache, v_cache, out, *, cu_q_lens, seq_lens, table, rows, start=None, max_q_len, max_kv_len,
+           window=None, config=None, k=None, v=None, loc=None, sm_scale=None, softcap=None, sinks=None,
+           pdl=None):  # fmt: skip
     """``paged_attention`` as the backend calls it: the planned plan, the key table; ``k``,
     ``v``, ``loc``: the step's rows to store."""
     plan = plan_for(q, k_cache, max_q_len=max_q_len, max_kv_len=max_kv_len, window=window,
                     num_reqs=cu_q_lens.shape[0] - 1, config=config)  # fmt: skip
-    new = NewRows.of(k, v, loc) if loc is not None else None
     if loc is None and (k is not None or v is not None):
         raise ValueError("k / v without loc")
-    return paged_attention(q, k_cache, v_cache, out, cu_q_lens=cu_q_lens, keys=KeyTable.of(table, rows, start),
-                           max_q_len=max_q_len, plan=plan, window=window, new=new, **kw)  # fmt: skip
+    new = NewRows.of(k, v, loc) if loc is not None else None
+    keys = KeyTable.of(table, rows, start)
+    inputs = AttentionInputs(cu_q_lens, seq_lens, keys, max_q_len, sm_scale, window, softcap, sinks)
+    return paged_attention(q, k_cache, v_cache, out, inputs, plan, new=new, pdl=pdl)
 
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}

@@ -12,10 +12,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 from offline_compile import compile_launch, record_launches, resources  # noqa: E402
 
-from attnplug_cuda.kernels.common import KeyTable, NewRows  # noqa: E402
+from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, NewRows  # noqa: E402
 from attnplug_cuda.kernels.paged_attention import paged_attention  # noqa: E402
 from attnplug_cuda.kernels.pdl import PROLOGUE  # noqa: E402
-from attnplug_cuda.planner import plan_paged  # noqa: E402
+from attnplug_cuda.planner import LaunchShape, plan_paged  # noqa: E402
 from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
 
@@ -25,18 +25,12 @@ def _launch(config):
     q = torch.zeros(bs, hkv * g, d, dtype=torch.bfloat16)
     cache = torch.zeros(slots, hkv, d, dtype=torch.bfloat16)
     new = torch.zeros(bs, hkv, d, dtype=torch.bfloat16)
-    plan = plan_paged(
-        num_reqs=bs, num_tokens=bs, num_kv_heads=hkv, group=g, head_dim=d, max_q_len=1, max_kv_len=300,
-        window=width, num_sms=132, tuning=CudaTuning(),
-    )  # fmt: skip
+    plan = plan_paged(LaunchShape(bs, bs, hkv, g, d, 1, 300, width, 132), CudaTuning())._replace(**(config or {}))
+    keys = KeyTable.of(torch.ones(bs, width, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
+    inputs = AttentionInputs(torch.arange(bs + 1, **i32), torch.full((bs,), 300, **i32), keys, 1, window=width)
     with record_launches() as launches:
-        paged_attention(
-            q, cache, cache, torch.empty_like(q), cu_q_lens=torch.arange(bs + 1, **i32),
-            seq_lens=torch.full((bs,), 300, **i32),
-            keys=KeyTable.of(torch.ones(bs, width, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32)),
-            max_q_len=1, plan=plan._replace(**(config or {})), window=width, pdl=PROLOGUE,
-            new=NewRows.of(new, new, torch.arange(1, bs + 1, **i32)),
-        )  # fmt: skip
+        new_rows = NewRows.of(new, new, torch.arange(1, bs + 1, **i32))
+        paged_attention(q, cache, cache, torch.empty_like(q), inputs, plan, new=new_rows, pdl=PROLOGUE)
     (launch,) = launches
     return launch
 

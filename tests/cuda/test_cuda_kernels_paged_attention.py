@@ -18,15 +18,15 @@ pytest.importorskip("triton")
 from paged_cases import DEVICE, PAD, PDL, TOL, attend, run_case  # noqa: E402
 
 from attnplug_cuda.kernels.pdl import PLAIN, PROLOGUE  # noqa: E402
-from attnplug_cuda.planner import paged_workspace_numel, plan_paged  # noqa: E402
+from attnplug_cuda.planner import LaunchShape, paged_workspace_numel, plan_paged  # noqa: E402
 from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
 PDL_MODES = [None, PLAIN] if PDL else [None]
 
 
 def plan_attention(**shape):
-    """The planner's paged plan (the default tuning)."""
-    return plan_paged(tuning=CudaTuning(), **shape)
+    """The planner's paged plan (the default tuning) for ``LaunchShape(**shape)``."""
+    return plan_paged(LaunchShape(**shape), CudaTuning())
 
 
 @pytest.mark.parametrize(

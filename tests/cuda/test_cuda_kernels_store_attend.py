@@ -24,6 +24,7 @@ from attnplug_cuda.kernels import pdl_supported  # noqa: E402
 from attnplug_cuda.kernels.pdl import EARLY, PLAIN, PROLOGUE, PROLOGUE_ENTRY  # noqa: E402
 from attnplug_cuda.planner import (  # noqa: E402
     AttentionShape,
+    LaunchShape,
     Path,
     one_launch_serves,
     one_launch_workspace_numel,
@@ -40,8 +41,9 @@ run_case = functools.partial(_run_case, device=DEVICE, pdl=PLAIN if PDL else Non
 
 
 def plan_store_attend(**shape):
-    """The planner's one-launch plan (the default tuning)."""
-    return plan_one_launch(tuning=TUNING, **shape)
+    """The planner's one-launch plan (the default tuning) for ``LaunchShape(**shape)`` (the
+    token count does not enter it)."""
+    return plan_one_launch(LaunchShape(num_tokens=0, **shape), TUNING)
 
 
 def eligible(num_reqs, num_kv_heads, max_q_len, group, num_sms):

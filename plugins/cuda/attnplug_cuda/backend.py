@@ -99,7 +99,7 @@ class CudaBackend(AttentionBackend):
         self._kv_store = kv_store.kv_store
         self._paged_attention = paged_attention.paged_attention
         self._store_attend = store_attend.store_attend
-        self._key_table, self._new_rows = common.KeyTable, common.NewRows
+        self._inputs, self._key_table, self._new_rows = common.AttentionInputs, common.KeyTable, common.NewRows
         self.has_swa = bool(pool.swa_layer_ids)
         self.max_context_len = req_to_token_pool.req_to_token.shape[1]
         #: what this instance fixes for every step's plan
@@ -345,22 +345,22 @@ class CudaBackend(AttentionBackend):
         pdl = layer.schedule(self._after_metadata)
         if path is not Path.TWO_LAUNCH:
             self._after_metadata = False
-        common = dict(
-            cu_q_lens=t.cu_q_lens,
-            seq_lens=batch.seq_lens,
-            keys=self.keys(is_swa, batch, t),
-            max_q_len=t.max_q_len,
-            plan=layer.kernel,
-            sm_scale=self.scaling,
-            window=self.sliding_window if is_swa else None,
-            softcap=self.logit_softcap,
-            sinks=sinks,
-            pdl=pdl,
+        inputs = self._inputs(
+            t.cu_q_lens,
+            batch.seq_lens,
+            self.keys(is_swa, batch, t),
+            t.max_q_len,
+            self.scaling,
+            self.sliding_window if is_swa else None,
+            self.logit_softcap,
+            sinks,
         )
         if path is Path.ONE_LAUNCH:
             workspace, tickets = self._one_launch_workspace, self._tickets
             return self._store_attend(
-                q, k, v, loc, k_cache, v_cache, out, workspace=workspace, tickets=tickets, **common
+                q, k, v, loc, k_cache, v_cache, out, inputs, layer.kernel, workspace=workspace, tickets=tickets, pdl=pdl
             )
         new = self._new_rows.of(k, v, loc) if loc is not None else None
-        return self._paged_attention(q, k_cache, v_cache, out, new=new, workspace=t.workspace, **common)
+        return self._paged_attention(
+            q, k_cache, v_cache, out, inputs, layer.kernel, new=new, workspace=t.workspace, pdl=pdl
+        )

@@ -37,6 +37,7 @@ __all__ = [
     "LayerPlan",
     "StepPlan",
     "AttentionShape",
+    "LaunchShape",
     "plan_step",
     "plan_one_launch",
     "plan_paged",
@@ -111,6 +112,23 @@ class AttentionShape:
         return min(self.max_context_len, self.window + max_q_len - 1)
 
 
+class LaunchShape(NamedTuple):
+    """One attention launch's shape, from host ints only: ``num_reqs`` requests, ``num_tokens``
+    new tokens, up to ``max_q_len`` of them a request, ``num_kv_heads`` kv heads of ``group``
+    q heads each, ``head_dim``, ``max_kv_len`` (a host bound of the keys a request reads: the
+    key table's width), the ``window`` (None: a full layer), the device's ``num_sms``."""
+
+    num_reqs: int
+    num_tokens: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    max_q_len: int
+    max_kv_len: int
+    window: Optional[int]
+    num_sms: int
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """How one kind of layer (full or SWA) of a step runs: its kernel plan, and the PDL
@@ -176,16 +194,17 @@ def plan_step(
         path = Path.TWO_LAUNCH
     plans = []
     for window, max_kv_len in kinds:
-        common = dict(num_reqs=num_reqs, num_kv_heads=s.num_kv_heads, group=s.group, head_dim=s.head_dim)
-        common.update(max_q_len=max_q_len, max_kv_len=max_kv_len, window=window, num_sms=s.num_sms, tuning=t)
+        launch = LaunchShape(
+            num_reqs, num_tokens, s.num_kv_heads, s.group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms
+        )
         if path is Path.ONE_LAUNCH:
-            kernel = plan_one_launch(**common)
+            kernel = plan_one_launch(launch, t)
             # decode steps whose groups fill a sixteenth of the SMs release at entry, so their
             # layout before the wait overlaps the layers before them
             entry = kernel.OWN_BLOCK and 16 * num_reqs * s.num_kv_heads >= s.num_sms
             first, later = EARLY, PROLOGUE_ENTRY if entry else PROLOGUE
         else:
-            kernel = plan_paged(num_tokens=num_tokens, **common)
+            kernel = plan_paged(launch, t)
             first, later = (EARLY, PROLOGUE) if path is Path.PAGED_STORE else (PLAIN, PLAIN)
         plans.append(LayerPlan(kernel, first if pdl else None, later if pdl else None))
     return StepPlan(path, plans[0], plans[1] if len(plans) > 1 else None)
@@ -193,21 +212,10 @@ def plan_step(
 
 # ----------------------------------------------------------------------------- store_attend
 @functools.lru_cache(maxsize=4096)
-def plan_one_launch(
-    *,
-    num_reqs: int,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    max_q_len: int,
-    max_kv_len: int,
-    window: Optional[int],
-    num_sms: int,
-    tuning: CudaTuning,
-) -> OneLaunchPlan:
-    """``store_attend``'s plan: key blocks, warps, stages and KV splits for one launch shape.
-    ``max_kv_len`` is a host bound of the keys a request reads (the table's width)."""
+def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
+    """``store_attend``'s plan: key blocks, warps, stages and KV splits for one launch shape."""
     t = tuning
+    num_reqs, _, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms = shape
     rows = _pow2(max(1, max_q_len) * group)
     block_d = _pow2(head_dim)
     span = max(1, max_kv_len)
@@ -292,22 +300,11 @@ def one_launch_workspace_numel(head_dim: int, num_sms: int, tuning: CudaTuning) 
 
 # ----------------------------------------------------------------------------- paged_attention
 @functools.lru_cache(maxsize=4096)
-def plan_paged(
-    *,
-    num_reqs: int,
-    num_tokens: int,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    max_q_len: int,
-    max_kv_len: int,
-    window: Optional[int],
-    num_sms: int,
-    tuning: CudaTuning,
-) -> PagedPlan:
+def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     """``paged_attention``'s plan: tiles, warps, stages, KV splits, loop shape and prefetch
     depth for one launch shape."""
     t = tuning
+    num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms = shape
     block_d = _pow2(head_dim)
     rows = max(1, max_q_len) * group
     block_m = min(max(16, _pow2(rows)), 128 if block_d <= 128 else 64)

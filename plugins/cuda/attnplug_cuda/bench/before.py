@@ -110,17 +110,9 @@ class BeforeBackend(CudaBackend):
         if batch.num_tokens == 0:
             return out
         window_table = self._window_table(batch, t) if is_swa else None
+        keys = self.keys(is_swa, batch, t, window_table)
+        window = self.sliding_window if is_swa else None
+        inputs = self._inputs(t.cu_q_lens, batch.seq_lens, keys, t.max_q_len, self.scaling, window)
         return self._paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            out,
-            cu_q_lens=t.cu_q_lens,
-            seq_lens=batch.seq_lens,
-            keys=self.keys(is_swa, batch, t, window_table),
-            max_q_len=t.max_q_len,
-            plan=t.plan.layer(is_swa).kernel,
-            sm_scale=self.scaling,
-            window=self.sliding_window if is_swa else None,
-            workspace=t.workspace,
+            q, k_cache, v_cache, out, inputs, t.plan.layer(is_swa).kernel, workspace=t.workspace
         )

@@ -130,26 +130,18 @@ def _reference(c, q_len, window):
 def _plan(c, q_len, window):
     """The plan the planner gives this case (``planner.plan_paged``), as the backend would."""
     from ..kernels.common import num_sms
-    from ..planner import plan_paged
+    from ..planner import LaunchShape, plan_paged
     from ..tuning import CudaTuning
 
     q = c["q"]
     T, heads, head_dim = q.shape
-    return plan_paged(
-        num_reqs=c["seq_lens"].shape[0],
-        num_tokens=T,
-        num_kv_heads=HKV,
-        group=heads // HKV,
-        head_dim=head_dim,
-        max_q_len=q_len,
-        max_kv_len=c["max_kv_len"],
-        window=window,
-        num_sms=num_sms(q.device),
-        tuning=CudaTuning(),
-    )
+    bs, group = c["seq_lens"].shape[0], heads // HKV
+    shape = LaunchShape(bs, T, HKV, group, head_dim, q_len, c["max_kv_len"], window, num_sms(q.device))
+    return plan_paged(shape, CudaTuning())
 
 
 def _attention_fn(c, q_len, window, *, pdl=False):
+    from ..kernels.common import AttentionInputs
     from ..kernels.paged_attention import paged_attention
     from ..kernels.pdl import PLAIN
 
@@ -159,20 +151,8 @@ def _attention_fn(c, q_len, window, *, pdl=False):
     ws = torch.empty(q.shape[0] * q.shape[1] * plan.NUM_SPLITS * (q.shape[2] + 2), dtype=torch.float32, device=q.device)
 
     def fn():
-        paged_attention(
-            q,
-            c["k_cache"],
-            c["v_cache"],
-            out,
-            cu_q_lens=c["cu"],
-            seq_lens=c["seq_lens"],
-            keys=c["keys"],
-            max_q_len=q_len,
-            plan=plan,
-            window=window,
-            workspace=ws,
-            pdl=PLAIN if pdl else None,
-        )
+        inputs = AttentionInputs(c["cu"], c["seq_lens"], c["keys"], q_len, window=window)
+        paged_attention(q, c["k_cache"], c["v_cache"], out, inputs, plan, workspace=ws, pdl=PLAIN if pdl else None)
         return out
 
     return fn

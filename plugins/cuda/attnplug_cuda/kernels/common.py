@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "AttentionInputs",
     "KeyTable",
     "NewRows",
     "check_attention_args",
@@ -65,6 +66,24 @@ class KeyTable(NamedTuple):
     @classmethod
     def of(cls, table: torch.Tensor, rows: torch.Tensor, start: Optional[torch.Tensor] = None) -> "KeyTable":
         return cls(table, rows, start, table.stride(0), table.shape[1], table.shape[0])
+
+
+class AttentionInputs(NamedTuple):
+    """What one layer's attention reads besides q, the cache and the output (host side; the
+    launchers pass its fields on): ``cu_q_lens`` [bs + 1] int32 (exclusive prefix sum of the
+    new tokens per request), ``seq_lens`` [bs] int32/int64 (each request's KV length INCLUDING
+    its new tokens), ``keys`` (``KeyTable``), ``max_q_len`` (a host bound of a request's new
+    tokens), ``sm_scale`` (None: ``1 / sqrt(D)``), ``window`` (None: a full layer), ``softcap``
+    (None, or ``c > 0``: logits ``c * tanh(s / c)``), ``sinks`` (None, or float32 ``[H]``)."""
+
+    cu_q_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    keys: KeyTable
+    max_q_len: int
+    sm_scale: Optional[float] = None
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
 
 
 class NewRows(NamedTuple):
@@ -205,17 +224,7 @@ def log2_scales(sm_scale: Optional[float], softcap: Optional[float], head_dim: i
 
 
 def check_attention_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    cu_q_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    keys: KeyTable,
-    window: Optional[int],
-    softcap: Optional[float],
-    sinks: Optional[torch.Tensor],
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, inputs: AttentionInputs
 ) -> Tuple[int, int, int, int, int, int]:
     """The host checks of every attention launcher (shapes, dtypes, devices, layouts, the
     scalar options); returns ``(T, H, D, Hkv, G, bs)``."""
@@ -231,7 +240,9 @@ def check_attention_args(
         assert t.dtype == q.dtype, f"{name} is {t.dtype}, q is {q.dtype}"
     assert q.stride(2) == 1 and out.stride(2) == 1, "q and out need a contiguous last dim"
     assert D >= 16, f"head_dim {D} < 16 is not supported"
+    cu_q_lens, seq_lens, keys, max_q_len, _, window, softcap, sinks = inputs
     bs = cu_q_lens.shape[0] - 1
+    assert isinstance(max_q_len, int), "max_q_len is a host int"
     assert cu_q_lens.dim() == 1 and bs >= 0 and cu_q_lens.dtype == torch.int32, "cu_q_lens must be [bs + 1] int32"
     assert seq_lens.dim() == 1 and seq_lens.shape[0] >= bs and seq_lens.dtype in (torch.int32, torch.int64)
     table = keys.table

@@ -63,7 +63,7 @@ import triton.language as tl
 
 from ..planner import PagedPlan
 from .common import (
-    KeyTable,
+    AttentionInputs,
     NewRows,
     causal_window,
     check_attention_args,
@@ -354,38 +354,27 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     out: torch.Tensor,
-    *,
-    cu_q_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    keys: KeyTable,
-    max_q_len: int,
+    inputs: AttentionInputs,
     plan: PagedPlan,
-    sm_scale: Optional[float] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
+    *,
     new: Optional[NewRows] = None,
     workspace: Optional[torch.Tensor] = None,
     pdl: Optional[Schedule] = None,
 ) -> torch.Tensor:
-    """Write attention of ``q`` over the paged cache into ``out`` by ``plan``
-    (``planner.plan_paged``) and return ``out``.
+    """Write attention of ``q`` over the paged cache, as ``inputs`` describe it, into ``out`` by
+    ``plan`` (``planner.plan_paged``) and return ``out``.
 
     ``new``: first store the step's new rows in the same launch, ``k_cache[loc[t]] = k[t]``
     and ``v_cache[loc[t]] = v[t]`` for every ``loc[t]`` in ``[1, S)`` (``kv_store``'s rule);
     only for steps whose rows fit one tile (``max_q_len * G <= BLOCK_M``, decode and short
-    drafts). ``softcap``: None, or ``c > 0``. ``sinks``: None, or float32 ``[H]`` on q's device.
-    ``max_q_len`` (>= every request's new tokens) is a host bound that sizes the grid; the
-    kernels read the real lengths on the device. ``workspace``: fp32, used when the plan splits
-    the KV range; allocated here when None (pass one for graph capture). ``pdl``: the launch's
-    PDL schedule (None: without PDL); the combine kernel, when there is one, runs ``PLAIN``.
+    drafts). The grid is sized from the host bound ``inputs.max_q_len``; the kernels read the
+    real lengths on the device. ``workspace``: fp32, used when the plan splits the KV range;
+    allocated here when None (pass one for graph capture). ``pdl``: the launch's PDL schedule
+    (None: without PDL); the combine kernel, when there is one, runs ``PLAIN``.
     """
-    T, H, D, hkv, G, bs = check_attention_args(
-        q, k_cache, v_cache, out, cu_q_lens=cu_q_lens, seq_lens=seq_lens, keys=keys, window=window, softcap=softcap,
-        sinks=sinks,
-    )  # fmt: skip
-    device = q.device
-    assert isinstance(max_q_len, int), "max_q_len is a host int"
+    T, H, D, hkv, G, bs = check_attention_args(q, k_cache, v_cache, out, inputs)
+    max_q_len, window = inputs.max_q_len, inputs.window
+
     if new is not None:
         check_new_rows(new.k, new.v, new.loc, q, hkv)
         assert max(1, max_q_len) * G <= plan.BLOCK_M, f"storing the new rows needs one row block: {max_q_len} x {G}"
@@ -393,7 +382,8 @@ def paged_attention(
         pdl.check()
     if T == 0 or bs == 0:
         return out
-    qk_scale, softcap_log2 = log2_scales(sm_scale, softcap, D)
+    device = q.device
+    qk_scale, softcap_log2 = log2_scales(inputs.sm_scale, inputs.softcap, D)
     splits = plan.NUM_SPLITS
     block_d = triton.next_power_of_2(D)
     part = None
@@ -415,10 +405,10 @@ def paged_attention(
         out,
         new,
         part,
-        cu_q_lens,
-        seq_lens,
-        keys,
-        sinks,
+        inputs.cu_q_lens,
+        inputs.seq_lens,
+        inputs.keys,
+        inputs.sinks,
         qk_scale,
         softcap_log2,
         window,
@@ -445,7 +435,7 @@ def paged_attention(
         _split_combine_kernel[(T, H)](
             part,
             out,
-            sinks,
+            inputs.sinks,
             H,
             out.stride(0),
             out.stride(1),

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from ..planner import OneLaunchPlan
 from .common import (
-    KeyTable,
+    AttentionInputs,
     NewRows,
     causal_window,
     check_attention_args,
@@ -410,36 +410,26 @@ def store_attend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     out: torch.Tensor,
-    *,
-    cu_q_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    keys: KeyTable,
-    max_q_len: int,
+    inputs: AttentionInputs,
     plan: OneLaunchPlan,
+    *,
     workspace: torch.Tensor,
     tickets: torch.Tensor,
-    sm_scale: Optional[float] = None,
-    window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
     pdl: Optional[Schedule] = None,
 ) -> torch.Tensor:
-    """Store ``k``/``v`` at ``loc`` (None: store nothing), attend ``q`` over the paged cache
-    into ``out`` and return ``out``, in one launch of ``plan`` (``planner.plan_one_launch``;
-    module docstring). ``max_q_len``: a host bound of every request's new tokens, which the
-    plan's tiles must hold.
+    """Store ``k``/``v`` at ``loc`` (None: store nothing), attend ``q`` over the paged cache as
+    ``inputs`` describe it into ``out`` and return ``out``, in one launch of ``plan``
+    (``planner.plan_one_launch``; module docstring). The plan's tiles must hold
+    ``inputs.max_q_len`` tokens a request.
 
     ``workspace``: fp32, >= ``planner.one_launch_workspace_numel`` elements; ``tickets``:
     int32, >= ``bs * Hkv`` elements, zero-filled once when allocated and reused by every call
-    (each launch leaves it zero). Both are static buffers in graph mode. ``softcap`` (> 0) and
-    ``sinks`` (float32 ``[H]``) as in ``paged_attention``. ``pdl``: the launch's PDL schedule
-    (None: launched without PDL); a ``prologue`` schedule only for a launch whose previous
-    kernel did not write the step's metadata or its first key block's cached K/V.
+    (each launch leaves it zero). Both are static buffers in graph mode. ``pdl``: the launch's
+    PDL schedule (None: launched without PDL); a ``prologue`` schedule only for a launch whose
+    previous kernel did not write the step's metadata or its first key block's cached K/V.
     """
-    T, H, D, hkv, G, bs = check_attention_args(
-        q, k_cache, v_cache, out, cu_q_lens=cu_q_lens, seq_lens=seq_lens, keys=keys, window=window, softcap=softcap,
-        sinks=sinks,
-    )  # fmt: skip
+    T, H, D, hkv, G, bs = check_attention_args(q, k_cache, v_cache, out, inputs)
+    max_q_len = inputs.max_q_len
     device = q.device
     rows = max(1, max_q_len) * G
     assert rows <= plan.ROWS and max(1, max_q_len) <= plan.TOKENS, f"{max_q_len} tokens x {G} heads exceed {plan}"
@@ -460,7 +450,7 @@ def store_attend(
         need = groups * splits * plan.ROWS * (D + 2)
         assert workspace.numel() >= need, f"workspace needs >= {need} fp32 elements, has {workspace.numel()}"
         assert tickets.numel() >= groups, f"tickets needs >= {groups} int32 elements, has {tickets.numel()}"
-    qk_scale, softcap_log2 = log2_scales(sm_scale, softcap, D)
+    qk_scale, softcap_log2 = log2_scales(inputs.sm_scale, inputs.softcap, D)
     _store_attend_kernel[(groups, splits)](
         q,
         out,
@@ -469,13 +459,13 @@ def store_attend(
         v_cache,
         workspace,
         tickets,
-        sinks,
-        cu_q_lens,
-        seq_lens,
-        keys,
+        inputs.sinks,
+        inputs.cu_q_lens,
+        inputs.seq_lens,
+        inputs.keys,
         qk_scale,
         softcap_log2,
-        window,
+        inputs.window,
         hkv,
         q.stride(0),
         q.stride(1),
