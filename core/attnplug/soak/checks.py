@@ -17,7 +17,7 @@ A check that fails raises ``StepFailed``.
 from __future__ import annotations
 
 import math
-from typing import FrozenSet, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ __all__ = ["StepChecks"]
 
 class StepChecks:
     """The checks of one soak run over its pool, allocator and request table; ``tol``: the
-    largest relative error allowed, ``scaling``: the softmax scale of the oracle."""
+    largest relative error allowed."""
 
     def __init__(
         self,
@@ -42,12 +42,12 @@ class StepChecks:
         rows: ReqToTokenPool,
         report: SoakReport,
         *,
-        swa_layers: FrozenSet[int],
         tol: float,
-        scaling: float,
     ) -> None:
         self.cfg, self.pool, self.alloc, self.rows, self.report = cfg, pool, alloc, rows, report
-        self.swa_layers, self.tol, self.scaling = swa_layers, tol, scaling
+        self.tol = tol
+        self.swa_layers = frozenset(cfg.swa_layer_ids())
+        self.scaling = 1.0 / math.sqrt(pool.head_dim)  # the softmax scale of the oracle
         self.device = pool.device
 
     def check_attention(self, planned: Planned, output: torch.Tensor) -> None:

@@ -58,7 +58,8 @@ class Planned:
 
 
 class Scheduler:
-    """The waiting and running requests of one soak run, and how each step is chosen.
+    """The waiting and running requests of one soak run, and how each step is chosen (the
+    step's data in the pool's dtype and head dim, on its device).
     ``attempt``: the step being allocated (mode, requests, new tokens), for a failure report
     when allocating raises."""
 
@@ -69,13 +70,10 @@ class Scheduler:
         rows: ReqToTokenPool,
         report: SoakReport,
         *,
-        dtype: torch.dtype,
-        head_dim: int,
-        device: torch.device,
         needs_cpu_seq_lens: bool,
     ) -> None:
         self.cfg, self.alloc, self.rows, self.report = cfg, alloc, rows, report
-        self.dtype, self.head_dim, self.device = dtype, head_dim, device
+        self.dtype, self.head_dim, self.device = alloc.pool.dtype, alloc.pool.head_dim, alloc.pool.device
         self.needs_cpu_seq_lens = needs_cpu_seq_lens
         self.rng = random.Random(cfg.seed)
         self.gen = torch.Generator().manual_seed(cfg.seed)

@@ -15,7 +15,6 @@ Determinism: the schedule and the data come from ``random.Random(seed)`` and a C
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Dict, Optional, Tuple, Type
 
@@ -73,7 +72,6 @@ class Soak:
         caps = self.backend.capabilities()
         self._check_supported(caps)
         self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens([self.backend])
-        self.scaling = 1.0 / math.sqrt(self.head_dim)
 
         can_capture = caps.graphs > GraphSupport.NEVER
         if cfg.graphs and not can_capture:
@@ -110,26 +108,8 @@ class Soak:
             config=cfg_json,
             versions={"attnplug": attnplug.__version__, "torch": torch.__version__},
         )
-        self.scheduler = Scheduler(
-            cfg,
-            self.alloc,
-            self.rows,
-            self.report,
-            dtype=self.dtype,
-            head_dim=self.head_dim,
-            device=self.device,
-            needs_cpu_seq_lens=self.needs_cpu_seq_lens,
-        )
-        self.checks = StepChecks(
-            cfg,
-            self.pool,
-            self.alloc,
-            self.rows,
-            self.report,
-            swa_layers=self.swa_layers,
-            tol=self.tol,
-            scaling=self.scaling,
-        )
+        self.scheduler = Scheduler(cfg, self.alloc, self.rows, self.report, needs_cpu_seq_lens=self.needs_cpu_seq_lens)
+        self.checks = StepChecks(cfg, self.pool, self.alloc, self.rows, self.report, tol=self.tol)
 
     # ------------------------------------------------------------------ setup
     def _choose_shapes(self, backend_cls, device) -> Tuple[torch.dtype, int]:
