@@ -10,7 +10,7 @@ relative error ``||out - exact|| / ||exact||`` of every (token, layer, head) row
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import pytest
 import torch
@@ -19,11 +19,12 @@ from torch.nn.utils.rnn import pad_sequence
 from attnplug import ForwardMode
 from attnplug.soak.oracle import exact_attention
 
+from .compare import layer_kind
+from .config import TestConfig, dtype_name, require, spec_sizes
 from .harness import Step, World
 from .rules import ATTENTION
-from .support import TestConfig, dtype_name, layer_kind, require, spec_sizes
 
-__all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "run_long_context"]
+__all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "long_context_world", "run_long_context"]
 
 #: prompt lengths: one long request past 4,096 keys and one short one
 LONG_CONTEXT = (4100, 37)
@@ -88,31 +89,41 @@ def _check(out: torch.Tensor, exact: torch.Tensor, world: World, what: str) -> N
         )
 
 
+def long_context_world(cfg: TestConfig, make_world, lengths: Sequence[int], *, seed: int, window: int, **features):
+    """``(world, requests)``: a world of 2 layers (one SWA when supported, one full), 4 q heads
+    over 1 KV head, pools sized for requests of ``lengths`` keys, holding one request per
+    length whose prompt is stored directly (no attention: only the steps under test attend).
+    ``features``: further ``WorldSpec`` fields (``logit_softcap``, ``sinks``)."""
+    ps = cfg.page_size
+    size, size_swa = spec_sizes(ps, min_swa=sum(lengths) + 64 * ps)
+    longest = max(lengths) + 8
+    spec = cfg.spec(
+        num_layers=2,
+        swa_layer_ids=(0,) if cfg.sliding_window else (),
+        num_heads=4,
+        num_kv_heads=1,
+        sliding_window=window,
+        size=size,
+        size_swa=size_swa,
+        max_reqs=4,
+        max_context_len=-(-longest // max(ps, 16)) * max(ps, 16),
+        **features,
+    )
+    world = make_world(spec, seed)
+    reqs = [world.new_request() for _ in lengths]
+    prompt = world.plan(ForwardMode.EXTEND, reqs, list(lengths))
+    world.store_kv(prompt)
+    world.advance(prompt)
+    return world, reqs
+
+
 def run_long_context(cfg: TestConfig, make_world) -> None:
     """One request of ``LONG_CONTEXT[0]`` keys and one short one (prompts stored directly,
     no attention), then DECODE and TARGET_VERIFY on the backend, each compared with
     ``dense_attention``. 2 layers (one SWA when supported, one full)."""
     dtype = cfg.dtype
     require(dtype in LONG_TOL, f"no long-context bound for {dtype_name(dtype)}")
-    ps = cfg.page_size
-    longest = max(LONG_CONTEXT) + 8
-    size, size_swa = spec_sizes(ps, min_swa=sum(LONG_CONTEXT) + 64 * ps)
-    spec = cfg.spec(
-        num_layers=2,
-        swa_layer_ids=(0,) if cfg.sliding_window else (),
-        num_heads=4,
-        num_kv_heads=1,
-        sliding_window=64,
-        size=size,
-        size_swa=size_swa,
-        max_reqs=4,
-        max_context_len=-(-longest // max(ps, 16)) * max(ps, 16),
-    )
-    world = make_world(spec, 97)
-    reqs = [world.new_request() for _ in LONG_CONTEXT]
-    prompt = world.plan(ForwardMode.EXTEND, reqs, list(LONG_CONTEXT))
-    world.store_kv(prompt)
-    world.advance(prompt)
+    world, reqs = long_context_world(cfg, make_world, LONG_CONTEXT, seed=97, window=64)
     for mode, ndt in ((ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 3)):
         step = world.plan(mode, reqs, num_draft_tokens=ndt)
         exact = dense_attention(world, step)

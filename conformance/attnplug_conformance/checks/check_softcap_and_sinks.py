@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from attnplug import BackendConfigError, ForwardMode
-from attnplug_conformance.long_context import LONG_TOL, dense_attention
+from attnplug_conformance.long_context import LONG_TOL, dense_attention, long_context_world
 from attnplug_conformance.rules import FEATURES
 from attnplug_conformance.support import (
     base_config,
@@ -48,7 +48,6 @@ from attnplug_conformance.support import (
     layer_kind,
     new_tokens_of,
     require,
-    spec_sizes,
 )
 
 __all__ = ["check_softcap_and_sinks", "CASES"]
@@ -149,27 +148,7 @@ def _modes(cfg, make_world, case: Case, *, scaling: Optional[float] = None, cap:
 
 def _kv_split(cfg, make_world, case: Case) -> None:
     lengths = (700, 23)
-    ps = cfg.page_size
-    size, size_swa = spec_sizes(ps, min_swa=sum(lengths) + 64 * ps)
-    longest = max(lengths) + 8
-    spec = cfg.spec(
-        num_layers=2,
-        swa_layer_ids=(0,) if cfg.sliding_window else (),
-        num_heads=4,
-        num_kv_heads=1,
-        sliding_window=300,
-        size=size,
-        size_swa=size_swa,
-        max_reqs=4,
-        max_context_len=-(-longest // max(ps, 16)) * max(ps, 16),
-        logit_softcap=SMALL_CAP,
-        sinks=True,
-    )
-    world = make_world(spec, 67)
-    reqs = [world.new_request() for _ in lengths]
-    prompt = world.plan(ForwardMode.EXTEND, reqs, list(lengths))
-    world.store_kv(prompt)  # long prompts stored directly: only the steps under test attend
-    world.advance(prompt)
+    world, reqs = long_context_world(cfg, make_world, lengths, seed=67, window=300, logit_softcap=SMALL_CAP, sinks=True)
     plan = [(ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 3)]
     _run(world, reqs, plan, f"{_features(case)} over {lengths[0]} keys")
 
