@@ -205,15 +205,16 @@ def env(values: Optional[Mapping[str, Optional[str]]]) -> Iterator[None]:
     values = dict(values or {})
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(values)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(saved)
+
+
+def _set_environ(values: Mapping[str, Optional[str]]) -> None:
+    """``os.environ[k] = v`` for each item; ``None`` removes ``k``."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
