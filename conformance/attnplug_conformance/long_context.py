@@ -19,11 +19,12 @@ from torch.nn.utils.rnn import pad_sequence
 from attnplug import ForwardMode
 from attnplug.oracle import exact_attention
 
+from .compare import layer_kind
+from .config import TestConfig, dtype_name, require, spec_sizes
 from .harness import Step, World
 from .rules import ATTENTION
-from .support import TestConfig, dtype_name, layer_kind, require, spec_sizes
 
-__all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "long_world", "run_long_context"]
+__all__ = ["LONG_CONTEXT", "LONG_TOL", "dense_attention", "long_context_world", "run_long_context"]
 
 #: prompt lengths: one long request past 4,096 keys and one short one
 LONG_CONTEXT = (4100, 37)
@@ -88,14 +89,14 @@ def _check(out: torch.Tensor, exact: torch.Tensor, world: World, what: str) -> N
         )
 
 
-def long_world(cfg: TestConfig, make_world, lengths: Sequence[int], *, window: int, seed: int, **features):
-    """A world of 2 layers (layer 0 SWA with ``window`` when the backend serves windows, layer 1
-    full), 4 query heads over 1 KV head, and one request per prompt length of ``lengths``, its
-    prompt stored directly (no attention: only the steps under test attend) and committed.
-    ``features``: more ``WorldSpec`` fields (e.g. ``logit_softcap``). Returns ``(world, reqs)``."""
+def long_context_world(cfg: TestConfig, make_world, lengths: Sequence[int], *, seed: int, window: int, **features):
+    """``(world, requests)``: a world of 2 layers (one SWA when supported, one full), 4 q heads
+    over 1 KV head, pools sized for requests of ``lengths`` keys, holding one request per
+    length whose prompt is stored directly (no attention: only the steps under test attend).
+    ``features``: further ``WorldSpec`` fields (``logit_softcap``, ``sinks``)."""
     ps = cfg.page_size
-    longest = max(lengths) + 8
     size, size_swa = spec_sizes(ps, min_swa=sum(lengths) + 64 * ps)
+    longest = max(lengths) + 8
     spec = cfg.spec(
         num_layers=2,
         swa_layer_ids=(0,) if cfg.sliding_window else (),
@@ -117,11 +118,12 @@ def long_world(cfg: TestConfig, make_world, lengths: Sequence[int], *, window: i
 
 
 def run_long_context(cfg: TestConfig, make_world) -> None:
-    """One request of ``LONG_CONTEXT[0]`` keys and one short one (``long_world``), then DECODE
-    and TARGET_VERIFY on the backend, each compared with ``dense_attention``."""
+    """One request of ``LONG_CONTEXT[0]`` keys and one short one (prompts stored directly,
+    no attention), then DECODE and TARGET_VERIFY on the backend, each compared with
+    ``dense_attention``. 2 layers (one SWA when supported, one full)."""
     dtype = cfg.dtype
     require(dtype in LONG_TOL, f"no long-context bound for {dtype_name(dtype)}")
-    world, reqs = long_world(cfg, make_world, LONG_CONTEXT, window=64, seed=97)
+    world, reqs = long_context_world(cfg, make_world, LONG_CONTEXT, seed=97, window=64)
     for mode, ndt in ((ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 3)):
         step = world.plan(mode, reqs, num_draft_tokens=ndt)
         exact = dense_attention(world, step)

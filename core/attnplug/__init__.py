@@ -11,15 +11,8 @@ from importlib import import_module as _import_module
 from .backend import AttentionBackend, BackendConfigError, Capabilities, GraphSupport, decide_needs_cpu_seq_lens
 from .batch import BatchError, ForwardBatch, ForwardMode
 from .graphs import DeviceGraph, EagerGraph, GraphRunner
-from .memory import (
-    InvariantViolation,
-    KVSlotError,
-    OutOfKVSlots,
-    OutOfReqSlots,
-    ReqToTokenPool,
-    SWAKVPool,
-    SWATokenAllocator,
-)
+from .memory import *  # noqa: F403 - the KV memory's whole API: pools, allocator, errors
+from .memory import __all__ as _MEMORY_API
 
 __version__ = "0.1.0"
 
@@ -57,13 +50,7 @@ __all__ = [
     "ForwardMode",
     "GraphRunner",
     "GraphSupport",
-    "InvariantViolation",
-    "KVSlotError",
-    "OutOfKVSlots",
-    "OutOfReqSlots",
-    "ReqToTokenPool",
-    "SWAKVPool",
-    "SWATokenAllocator",
     "decide_needs_cpu_seq_lens",
+    *_MEMORY_API,
     *_LAZY,
 ]

@@ -14,21 +14,23 @@ The three hot-path rules (docs/contract.md) in terms of this class:
    with no host read (no ``.item()``, ``.cpu()``, ``.tolist()``, ``nonzero``, boolean masks,
    ``torch.tensor(list, device=...)``).
 3. PDL is a run-time capability (``Capabilities.pdl``), never assumed.
+
+This module holds the contract itself; what a backend claims is in ``capabilities``, the
+checks of its arguments and inputs in ``input_checks``.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
-import enum
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Dict, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Dict, Iterable, Optional
 
 import torch
 
-from .batch import BatchError, ForwardBatch, ForwardMode
+from .batch import ForwardBatch
+from .capabilities import GRAPH_MODES, Capabilities, GraphSupport
 from .device_part import DevicePart
+from .input_checks import BackendConfigError, InputChecks, check_config, check_positive_float
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graphs.device_graph import DeviceGraph
@@ -44,105 +46,6 @@ __all__ = [
 ]
 
 
-class BackendConfigError(ValueError):
-    """A backend was constructed with arguments it cannot serve (names the argument)."""
-
-
-class GraphSupport(enum.IntEnum):
-    """Which steps a backend can run inside a captured device graph (ordered); ``modes``
-    lists them (the one table, ``GRAPH_MODES``):
-
-    * ``NEVER``: none;
-    * ``DECODE_ONLY``: DECODE;
-    * ``UNIFORM``: the modes with the same number of new tokens for every request (DECODE,
-      TARGET_VERIFY, DRAFT_EXTEND);
-    * ``ALWAYS``: every mode with new tokens, EXTEND included (the backend's metadata and
-      kernels take variable per-request lengths from device tensors inside a graph).
-
-    ``GraphRunner`` captures only the uniform modes (one graph per batch-size bucket fixes the
-    tokens per request), so under it EXTEND steps run eagerly whatever the level; ``ALWAYS``
-    matters to an engine that captures EXTEND steps itself.
-    """
-
-    NEVER = 0
-    DECODE_ONLY = 1
-    UNIFORM = 2
-    ALWAYS = 3
-
-    @property
-    def modes(self) -> Tuple[ForwardMode, ...]:
-        """The forward modes this level lets a backend run inside a captured graph."""
-        return GRAPH_MODES[self]
-
-
-#: GraphSupport level -> the forward modes a backend at that level runs inside a captured graph
-GRAPH_MODES: Dict[GraphSupport, Tuple[ForwardMode, ...]] = {
-    GraphSupport.NEVER: (),
-    GraphSupport.DECODE_ONLY: (ForwardMode.DECODE,),
-    GraphSupport.UNIFORM: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
-    GraphSupport.ALWAYS: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND),
-}
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend instance can do, as pure data. The conformance suite skips a check
-    only when these say the backend does not claim it, and it checks that every claim holds.
-
-    * ``device_type``: ``torch.device(...).type`` of the pool the backend runs on.
-    * ``needs_cpu_seq_lens``: False promises sync-free metadata from device tensors.
-    * ``pdl``: kernels use Programmatic Dependent Launch in this process (decided at run time).
-    * ``graphs``: the ``GraphSupport`` level.
-    * ``dtypes`` / ``head_dims`` / ``page_sizes``: the KV dtypes, head dims and pool page sizes
-      that are supported.
-    * ``sliding_window``: SWA layers (``sliding_window=W``) are supported.
-    * ``logit_softcap``: the constructor accepts ``logit_softcap=c`` (logits capped to
-      ``c * tanh(s / c)`` before masking and softmax). Default False.
-    * ``attention_sinks``: ``forward`` accepts ``sinks=`` (one learned logit per q head that
-      joins the softmax denominator). Default False.
-    """
-
-    device_type: str
-    needs_cpu_seq_lens: bool
-    pdl: bool
-    graphs: GraphSupport
-    dtypes: Tuple[torch.dtype, ...]
-    head_dims: Tuple[int, ...]
-    page_sizes: Tuple[int, ...]
-    sliding_window: bool
-    logit_softcap: bool = False
-    attention_sinks: bool = False
-
-    def to_json(self) -> dict:
-        return {
-            "device_type": self.device_type,
-            "needs_cpu_seq_lens": self.needs_cpu_seq_lens,
-            "pdl": self.pdl,
-            "graphs": self.graphs.name,
-            "dtypes": [str(d).replace("torch.", "") for d in self.dtypes],
-            "head_dims": list(self.head_dims),
-            "page_sizes": list(self.page_sizes),
-            "sliding_window": self.sliding_window,
-            "logit_softcap": self.logit_softcap,
-            "attention_sinks": self.attention_sinks,
-        }
-
-    def for_instance(
-        self, *, device_type: str, pdl: bool = False, graphs: Optional[GraphSupport] = None
-    ) -> "Capabilities":
-        """These declared (class-level) capabilities narrowed to one instance: the pool's
-        ``device_type``, whether this instance's kernels really use PDL, and optionally a lower
-        graph level. Raises ``ValueError`` when the instance would claim more than the
-        declaration (PDL not declared, a higher graph level), so an instance can never
-        disagree with what ``describe()`` shows."""
-        if pdl and not self.pdl:
-            raise ValueError("pdl=True but the declared capabilities say pdl=False")
-        graphs = self.graphs if graphs is None else GraphSupport(graphs)
-        if graphs > self.graphs:
-            raise ValueError(f"graphs={graphs.name} is above the declared {self.graphs.name}")
-        return dataclasses.replace(self, device_type=device_type, pdl=bool(pdl), graphs=graphs)
-
-
 def decide_needs_cpu_seq_lens(backends: Iterable["AttentionBackend"]) -> bool:
     """OR of ``needs_cpu_seq_lens`` over every backend an engine runs (target, draft,
     draft-extend). When False, the engine passes ``seq_lens_cpu=None`` and never syncs to
@@ -150,7 +53,7 @@ def decide_needs_cpu_seq_lens(backends: Iterable["AttentionBackend"]) -> bool:
     return any(bool(getattr(b, "needs_cpu_seq_lens", True)) for b in backends)
 
 
-class AttentionBackend(abc.ABC):
+class AttentionBackend(InputChecks, abc.ABC):
     """Attention over the hybrid full + SWA paged KV cache.
 
     Construction: ``BackendCls(pool, req_to_token_pool, *, num_heads, sliding_window=None,
@@ -192,22 +95,7 @@ class AttentionBackend(abc.ABC):
         scaling: Optional[float] = None,
         logit_softcap: Optional[float] = None,
     ) -> None:
-        if not isinstance(num_heads, int) or num_heads < 1:
-            raise BackendConfigError(f"num_heads must be a positive int, got {num_heads!r}")
-        if num_heads % pool.num_kv_heads:
-            raise BackendConfigError(
-                f"num_heads={num_heads} is not a multiple of the pool's num_kv_heads={pool.num_kv_heads} (GQA)"
-            )
-        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-            raise BackendConfigError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-        if pool.swa_layer_ids and sliding_window is None:
-            raise BackendConfigError(f"the pool has SWA layers {sorted(pool.swa_layer_ids)} but sliding_window is None")
-        if not (isinstance(pool.dtype, torch.dtype) and pool.dtype.is_floating_point):
-            raise BackendConfigError(f"the KV pool's dtype must be a floating dtype, got {pool.dtype}")
-        if req_to_token_pool.req_to_token.device != pool.device:
-            raise BackendConfigError(
-                f"req_to_token_pool is on {req_to_token_pool.req_to_token.device}, the KV pool on {pool.device}"
-            )
+        check_config(pool, req_to_token_pool, num_heads=num_heads, sliding_window=sliding_window)
         self.pool = pool
         self.req_to_token_pool = req_to_token_pool
         self.device: torch.device = pool.device
@@ -216,23 +104,11 @@ class AttentionBackend(abc.ABC):
         self.head_dim: int = pool.head_dim
         self.sliding_window = sliding_window
         if scaling is not None:
-            if (
-                isinstance(scaling, bool)
-                or not isinstance(scaling, (int, float))
-                or not math.isfinite(scaling)
-                or scaling <= 0
-            ):
-                raise BackendConfigError(f"scaling must be None or a finite float > 0, got {scaling!r}")
+            check_positive_float(scaling, "scaling")
         self.scaling = float(scaling) if scaling is not None else 1.0 / math.sqrt(pool.head_dim)
         declared = type(self).declared_capabilities()
         if logit_softcap is not None:
-            if (
-                isinstance(logit_softcap, bool)
-                or not isinstance(logit_softcap, (int, float))
-                or not math.isfinite(logit_softcap)
-                or logit_softcap <= 0
-            ):
-                raise BackendConfigError(f"logit_softcap must be None or a finite float > 0, got {logit_softcap!r}")
+            check_positive_float(logit_softcap, "logit_softcap")
             if declared is None or not declared.logit_softcap:
                 raise BackendConfigError(
                     f"logit_softcap={logit_softcap!r}: the {type(self).name} backend does not support logit "
@@ -392,85 +268,6 @@ class AttentionBackend(abc.ABC):
         Must not: translate slots, read the host, or allocate graph-visible state.
         """
 
-    # ------------------------------------------------------------------ input checks
-    # Helpers every backend calls; host-side only unless validation is on (ATTNPLUG_VALIDATE=1).
-    def check_batch(self, batch: ForwardBatch, *, read_device: Optional[bool] = None) -> None:
-        """Refuse a batch that does not fit this backend's pools (``BatchError`` naming the
-        field and value): device, slot ranges, live rows, ``seq_lens`` bounds. Values on the
-        host are always checked; device values only when ``read_device`` (default:
-        ``validation_enabled()``), because reading them synchronises.
-        Call it from the metadata methods; replay calls it only when validation is on."""
-        from .batch_checks import check_batch_against_pools
-        from .env import validation_enabled
-
-        if read_device is None:
-            read_device = validation_enabled()
-        check_batch_against_pools(batch, self.pool, self.req_to_token_pool, read_device=read_device)
-
-    def _note_prepared_batch(self, batch: ForwardBatch) -> None:
-        """Record the batch the last metadata call prepared (``forward`` checks it)."""
-        self._prepared_batch = batch
-
-    def _check_prepared_batch(self, batch: ForwardBatch) -> None:
-        """``batch`` must be the one the last metadata call prepared: the same object, or a
-        batch over the very same tensors (e.g. a copy that only adds ``seq_lens_cpu``)."""
-        prepared = self._prepared_batch
-        if batch is prepared:
-            return
-        if prepared is None:
-            raise RuntimeError("forward() before init_forward_metadata() for this step")
-        if not isinstance(batch, ForwardBatch) or _batch_identity(batch) != _batch_identity(prepared):
-            raise BatchError(
-                "forward() got a batch other than the one prepared by the last metadata call "
-                "(init_forward_metadata / init_forward_metadata_*_cuda_graph): call the metadata "
-                "method for this batch first; the old metadata is never reused for another batch"
-            )
-
-    def check_forward_inputs(
-        self, q, k, v, batch: ForwardBatch, save_kv_cache: bool = True, *, sinks: Optional[torch.Tensor] = None
-    ) -> None:
-        """Host-side checks of one layer's inputs: the prepared batch, q/k/v shapes, dtypes
-        (q, k and v in the pool's floating dtype) and devices, and ``sinks`` (None, or a
-        float32 ``[num_heads]`` tensor on the pool's device, only when the backend declares
-        ``attention_sinks``). Raises ``ValueError`` / ``BatchError`` naming the argument.
-        Reads no device value."""
-        if sinks is not None:
-            self._check_sinks(sinks)
-        self._check_prepared_batch(batch)
-        T = batch.num_tokens
-        expected = {"q": (T, self.num_heads, self.head_dim)}
-        if save_kv_cache or k is not None or v is not None:
-            expected["k"] = expected["v"] = (T, self.num_kv_heads, self.head_dim)
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if name not in expected:
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != expected[name]:
-                raise ValueError(f"{name} must be {list(expected[name])}, got {tuple(t.shape)}")
-            if t.dtype != self.pool.dtype:
-                raise ValueError(
-                    f"{name} is {str(t.dtype).replace('torch.', '')}, the KV pool holds "
-                    f"{str(self.pool.dtype).replace('torch.', '')} (q, k and v must match it)"
-                )
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, the KV pool on {self.device}")
-
-    def _check_sinks(self, sinks) -> None:
-        if not getattr(self, "_accepts_sinks", False):
-            raise ValueError(
-                f"sinks: the {type(self).name} backend does not support attention sinks (its capabilities "
-                "declare attention_sinks=False); pass sinks=None"
-            )
-        if not isinstance(sinks, torch.Tensor):
-            raise ValueError(f"sinks must be None or a torch.Tensor, got {type(sinks).__name__}")
-        if tuple(sinks.shape) != (self.num_heads,):
-            raise ValueError(f"sinks must be [{self.num_heads}] (one logit per q head), got {tuple(sinks.shape)}")
-        if sinks.dtype != torch.float32:
-            raise ValueError(f"sinks must be float32, got {str(sinks.dtype).replace('torch.', '')}")
-        if sinks.device != self.device:
-            raise ValueError(f"sinks is on {sinks.device}, the KV pool on {self.device}")
-
     # ------------------------------------------------------------------ device services
     # They delegate to ``device_part`` so the graph runner and the conformance suite stay
     # device-neutral; a plugin sets ``device_part`` rather than overriding these.
@@ -489,17 +286,3 @@ class AttentionBackend(abc.ABC):
     def synchronize(cls, device: torch.device) -> None:
         """Wait for all work queued on ``device`` (``device_part.synchronize(device)``)."""
         cls.device_part.synchronize(device)
-
-
-def _batch_identity(batch: ForwardBatch) -> tuple:
-    """What a step's metadata was built from: the mode, the sizes and the tensors (by storage)."""
-    return (
-        batch.forward_mode,
-        batch.batch_size,
-        batch.num_tokens,
-        batch.num_draft_tokens,
-        *(
-            (t.data_ptr(), t.shape[0]) if isinstance(t, torch.Tensor) else None
-            for t in (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, batch.extend_seq_lens)
-        ),
-    )

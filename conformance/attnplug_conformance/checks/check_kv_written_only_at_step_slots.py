@@ -27,8 +27,10 @@ from attnplug_conformance.support import (
     conformance_check,
     layer_kind,
     new_tokens_of,
+    poison_free_rows,
     require,
     require_graph_mode,
+    show_rows,
 )
 
 __all__ = ["check_kv_written_only_at_step_slots"]
@@ -44,11 +46,6 @@ CASES = [
     ("replay_padded", ForwardMode.TARGET_VERIFY),
 ]
 _N = 3
-
-
-def _show(rows) -> str:
-    rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-    return f"{rows[:8]}" + (f" (+{len(rows) - 8} more)" if len(rows) > 8 else "")
 
 
 @conformance_check(rule=KV_SLOTS)
@@ -74,16 +71,7 @@ def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnp
     step = world.plan(mode, reqs, new, num_draft_tokens=ndt)
 
     # Poison every row that holds no live token (the step's rows and slot 0 included).
-    live_full = world.live_full_slots().to(pool.device)
-    live_swa = pool.translate_loc_from_full_to_swa(live_full).to(torch.int64)
-    gen = torch.Generator().manual_seed(7)
-    for layer in range(pool.num_layers):
-        kb, vb = pool.get_kv_buffer(layer)
-        keep = torch.zeros(kb.shape[0], dtype=torch.bool, device=kb.device)
-        keep[live_swa[live_swa > 0] if pool.is_swa_layer(layer) else live_full] = True
-        for buf in (kb, vb):
-            noise = torch.randn(buf.shape, generator=gen).to(buf.device, buf.dtype)
-            buf.copy_(torch.where(keep[:, None, None], buf, noise))
+    poison_free_rows(world, seed=7)
     save = path != "eager_no_save"
     path = "eager" if path == "eager_paged" else path
     if not save:
@@ -112,20 +100,20 @@ def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnp
         if not save and changed.numel():
             pytest.fail(
                 f"{KV_SLOTS}: {where} with save_kv_cache=False: layer {layer} ({layer_kind(world, layer)}) "
-                f"wrote slots {_show(changed)}; with save_kv_cache=False a layer must not write the KV cache"
+                f"wrote slots {show_rows(changed)}; with save_kv_cache=False a layer must not write the KV cache"
             )
         outside = changed[~torch.isin(changed, allowed)]
         if outside.numel():
             sink = " (slot 0, the padding sink, is allowed in a padded replay)" if padded else ""
             pytest.fail(
-                f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) wrote slots {_show(outside)} "
-                f"outside the step's slots {_show(slots)}{sink}"
+                f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) wrote slots {show_rows(outside)} "
+                f"outside the step's slots {show_rows(slots)}{sink}"
             )
         for name, buf, given in (("k", kb, step.inputs["k"][:, layer]), ("v", vb, step.inputs["v"][:, layer])):
             wrong = torch.nonzero((buf[slots] != given).flatten(1).any(1)).flatten().cpu()
             if wrong.numel():
                 pytest.fail(
                     f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) did not store the step's "
-                    f"{name} at its slots: tokens {_show(wrong)} (slots {_show(slots.cpu()[wrong])}) hold "
+                    f"{name} at its slots: tokens {show_rows(wrong)} (slots {show_rows(slots.cpu()[wrong])}) hold "
                     "other values"
                 )

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from attnplug import BackendConfigError, ForwardMode
-from attnplug_conformance.long_context import LONG_TOL, dense_attention, long_world
+from attnplug_conformance.long_context import LONG_TOL, dense_attention, long_context_world
 from attnplug_conformance.rules import FEATURES
 from attnplug_conformance.support import (
     base_config,
@@ -148,7 +148,7 @@ def _modes(cfg, make_world, case: Case, *, scaling: Optional[float] = None, cap:
 
 def _kv_split(cfg, make_world, case: Case) -> None:
     lengths = (700, 23)
-    world, reqs = long_world(cfg, make_world, lengths, window=300, seed=67, logit_softcap=SMALL_CAP, sinks=True)
+    world, reqs = long_context_world(cfg, make_world, lengths, seed=67, window=300, logit_softcap=SMALL_CAP, sinks=True)
     plan = [(ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 3)]
     _run(world, reqs, plan, f"{_features(case)} over {lengths[0]} keys")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional
 
-__all__ = ["row", "summarize", "failure_row"]
+__all__ = ["row", "summarize", "benchmark_error_row", "failure_row"]
 
 
 def row(
@@ -78,6 +78,11 @@ def summarize(rows: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
+def benchmark_error_row(benchmark: str, error: str, **extra: Any) -> Dict[str, Any]:
+    """The row of a benchmark that failed as a whole; ``error`` says why."""
+    return row(benchmark, "(benchmark)", "all", None, "", error=error, **extra)
+
+
 def failure_row(benchmark: str, exc: BaseException, tb: str = "") -> Dict[str, Any]:
     """The row a benchmark that raised leaves behind."""
-    return row(benchmark, "(benchmark)", "all", None, "", error=f"{type(exc).__name__}: {exc}", traceback=tb)
+    return benchmark_error_row(benchmark, f"{type(exc).__name__}: {exc}", traceback=tb)

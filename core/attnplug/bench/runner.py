@@ -25,7 +25,7 @@ import torch
 from .context import Ctx, Deadline
 from .environment import environment
 from .report import print_report, write_json
-from .rows import failure_row, row, summarize
+from .rows import benchmark_error_row, failure_row, summarize
 from .suite import Benchmark, Suite
 from .timing import Timer, free_memory
 
@@ -113,25 +113,14 @@ def _run_in_child(suite: Suite, bench: Benchmark, ctx: Ctx, timeout: float) -> L
             rows = []
         if rc is None:
             rows.append(
-                row(
+                benchmark_error_row(
                     bench.name,
-                    "(benchmark)",
-                    "all",
-                    None,
-                    "",
-                    error=f"killed at its {timeout:.0f} s time limit (rows before this one were measured before that)",
+                    f"killed at its {timeout:.0f} s time limit (rows before this one were measured before that)",
                 )
             )
         elif rc != 0 and not any(r.get("error") for r in rows):
             rows.append(
-                row(
-                    bench.name,
-                    "(benchmark)",
-                    "all",
-                    None,
-                    "",
-                    error=f"child process exited with status {rc} (see its output above)",
-                )
+                benchmark_error_row(bench.name, f"child process exited with status {rc} (see its output above)")
             )
         return rows
     finally:

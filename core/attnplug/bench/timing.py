@@ -105,18 +105,7 @@ class Timer:
                 import triton.testing
 
                 return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
-        marker = torch.zeros(1, device=self.device)
-
-        def step() -> torch.Tensor:
-            fn()
-            return marker
-
-        graph = self.new_graph()
-        graph.capture(step)
-        try:
-            return self.wall_us(graph.replay, calls=inner, repeats=repeats, warmup=2)
-        finally:
-            del graph
+        return self.replay_us(fn, calls=inner, repeats=repeats, warmup=2)
 
     def replay_us(self, fn: Callable[[], object], *, calls: int, repeats: int, warmup: int = 2) -> float:
         """``fn`` captured once in the backend's graph, then timed as whole steps are

@@ -1,17 +1,12 @@
 """Slot allocation for the hybrid KV cache: every new token gets a full slot and an SWA slot;
 SWA slots are freed early once no future query's window can reach them.
 
-The bookkeeping lives on the HOST, as CPU tensors at page granularity (a page is
-``page_size`` consecutive slots; with ``page_size == 1`` pages are slots). Full pages are
-``1..size/page_size``, SWA pages ``1..size_swa/page_size``; page 0 of both pools is
-reserved. Allocation runs in the scheduler between steps, never inside graph replay, so
-the few host <-> device copies here (index transfers, the device ``req_to_token`` rows read
-by eviction, device tensors given to ``free``) are allowed.
-
-The device mapping ``pool.full_to_swa_index_mapping`` (token granularity) is kept equal to
-the host page mapping by scatter writes on every alloc and free:
-``mapping[fp * page_size + i] = sp * page_size + i`` for every slot ``i`` of a full page
-``fp`` mapped to SWA page ``sp``, and 0 elsewhere.
+``SWATokenAllocator`` is built in three layers, one job each: ``pages.PageTable`` keeps the
+host page bookkeeping and the device mapping (and checks them), ``eviction.WindowEviction``
+frees SWA slots that left every window, and this module hands out and takes back slots.
+Allocation runs in the scheduler between steps, never inside graph replay, so the few host <->
+device copies here (index transfers, the device ``req_to_token`` rows read by eviction, device
+tensors given to ``free``) are allowed.
 
 Paged continuation follows SGLang: the new tokens of a request first fill the remaining
 slots of the page holding its last token (``slot = page_base + pos % page_size``), then
@@ -28,9 +23,7 @@ What the allocator owns, it checks (it knows pages, not requests):
   already handed out (another request's, or one of the page's slots already given by
   ``alloc(n)``), and two requests cannot be given the same partial page in one call.
 * **Eviction.** ``evict_out_of_window`` frees SWA slots only for positions the row really
-  holds: every position in ``[frontier, seq_len)`` of the row must hold a live full slot
-  (the engine writes a request's slots into its row right after allocating them and zeroes
-  or rewrites the positions it drops, as ``ReqToTokenPool.free`` does for a whole row).
+  holds (see ``eviction``).
 * **Slots.** ``-1`` ("no slot"), slot 0 / page 0 (the sink), values past the pool, bools and
   floats are refused wherever a slot is expected.
 
@@ -43,84 +36,29 @@ from __future__ import annotations
 
 import torch
 
-from ..env import validation_enabled
-from .args import HostInts, host_int
+from .args import HostInts
 from .args import first as _first
 from .args import host_ints as _host_int64
-from .errors import InvariantViolation, KVSlotError, OutOfKVSlots
-from .req_to_token import ReqToTokenPool
+from .errors import KVSlotError
+from .eviction import WindowEviction
 from .swa_pool import SWAKVPool
 
 __all__ = ["SWATokenAllocator"]
 
 
-class _PagePool:
-    """Free list and used flags of one pool's pages (host).
-
-    * ``free``: ``[num_free]`` int64 CPU, free page ids; taken from the front, returned at
-      the back (initially ``1..num_pages``, so the lowest ids go first).
-    * ``used``: ``[num_pages + 1]`` bool CPU; ``used[0]`` stays False (page 0 is reserved).
-    """
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self.free = torch.arange(1, num_pages + 1, dtype=torch.int64)
-        self.used = torch.zeros(num_pages + 1, dtype=torch.bool)
-
-    def take(self, k: int) -> torch.Tensor:
-        """Mark the first ``k`` free pages used and return them (``[k]`` int64 CPU); the
-        caller checked that ``k <= len(free)``."""
-        pages, self.free = self.free[:k], self.free[k:]
-        self.used[pages] = True
-        return pages
-
-    def give_back(self, pages: torch.Tensor) -> None:
-        """Return used, distinct ``pages`` (``[k]`` int64 CPU) to the free list."""
-        self.used[pages] = False
-        self.free = torch.cat([self.free, pages])
-
-
-class SWATokenAllocator:
+class SWATokenAllocator(WindowEviction):
     """Allocates full + SWA slots of an ``SWAKVPool`` (see module docstring).
 
-    Host state (CPU tensors, page granularity; ``N = size / page_size``,
-    ``M = size_swa / page_size``):
-
-    * the full and SWA free lists and used flags (``_PagePool``);
-    * ``full_to_swa_page``: ``[N + 1]`` int64, SWA page of each full page (0 = none);
-    * ``swa_to_full_page``: ``[M + 1]`` int64, its reverse (0 = SWA page free);
-    * ``page_fill``: ``[N + 1]`` int64, leading slots of each full page handed out
-      (0 for a free page, ``page_size`` for a page from ``alloc(n)``).
-
-    Device state: ``pool.full_to_swa_index_mapping`` (owned by the pool, written here).
+    Host state: the page bookkeeping of ``PageTable`` (``full_to_swa_page``,
+    ``swa_to_full_page``, ``page_fill``, the free lists). Device state:
+    ``pool.full_to_swa_index_mapping`` (owned by the pool, written here).
     Slots returned by the ``alloc*`` methods are int64 tensors on the pool's device.
     """
 
     def __init__(self, pool: SWAKVPool) -> None:
         if not isinstance(pool, SWAKVPool):
             raise TypeError(f"pool must be an SWAKVPool, got {type(pool).__name__}")
-        self.pool = pool
-        self.page_size = pool.page_size
-        self.device = pool.device
-        self._full = _PagePool(pool.size // pool.page_size)
-        self._swa = _PagePool(pool.size_swa // pool.page_size)
-        self.full_to_swa_page = torch.zeros(self._full.num_pages + 1, dtype=torch.int64)
-        self.swa_to_full_page = torch.zeros(self._swa.num_pages + 1, dtype=torch.int64)
-        self.page_fill = torch.zeros(self._full.num_pages + 1, dtype=torch.int64)
-        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
-
-    # ------------------------------------------------------------------ sizes
-    def full_available_size(self) -> int:
-        """Free slots of the full pool (host int, tokens)."""
-        return self._full.free.numel() * self.page_size
-
-    def swa_available_size(self) -> int:
-        """Free slots of the SWA pool (host int, tokens)."""
-        return self._swa.free.numel() * self.page_size
-
-    def available_size(self) -> int:
-        """Tokens that can be allocated now: the smaller of the two pools' free slots."""
-        return min(self.full_available_size(), self.swa_available_size())
+        super().__init__(pool)
 
     # ------------------------------------------------------------------ allocation
     def alloc(self, n: int) -> torch.Tensor:
@@ -215,17 +153,8 @@ class SWATokenAllocator:
         the distinct pages they lie in are freed, each once. Raises ``KVSlotError`` (nothing
         changed) for -1, slot 0 / page 0, out-of-range or repeated slots, non-integer values
         (floats, bools), or slots whose page is not allocated (double free)."""
-        pages, slots = self._full_pages_of(full_locs, "free")
-        idle = ~self._full.used[pages]
-        if bool(idle.any()):
-            raise KVSlotError(
-                f"free: full slots {_first(self._slots_in(slots, pages[idle]))} are not allocated "
-                "(double free or never allocated)"
-            )
-        swa_pages = self.full_to_swa_page[pages]
-        self._unmap(pages[swa_pages != 0])
-        self._full.give_back(pages)
-        self.page_fill[pages] = 0
+        pages, _slots = self._allocated_pages_of(full_locs, "free")
+        self._release_full_pages(pages)
 
     def rollback(self, full_locs: HostInts) -> None:
         """Give back the LAST handed-out slots of pages, e.g. the rejected drafts of a
@@ -239,13 +168,7 @@ class SWATokenAllocator:
         this is ``free``. Raises ``KVSlotError`` (nothing changed) for invalid, repeated or
         unallocated slots, or slots that are not the tail of their page.
         """
-        pages, slots = self._full_pages_of(full_locs, "rollback")
-        idle = ~self._full.used[pages]
-        if bool(idle.any()):
-            raise KVSlotError(
-                f"rollback: full slots {_first(self._slots_in(slots, pages[idle]))} are not allocated "
-                "(double free or never allocated)"
-            )
+        pages, slots = self._allocated_pages_of(full_locs, "rollback")
         ps = self.page_size
         page_of, offset = slots // ps, slots % ps
         fill = self.page_fill[pages]
@@ -265,261 +188,7 @@ class SWATokenAllocator:
         kept = pages[lowest != 0]
         self.page_fill[kept] = lowest[lowest != 0]
         if emptied.numel():
-            swa_pages = self.full_to_swa_page[emptied]
-            self._unmap(emptied[swa_pages != 0])
-            self._full.give_back(emptied)
-            self.page_fill[emptied] = 0
-
-    def free_swa(self, full_locs: HostInts) -> None:
-        """Free only the SWA slots of the full slots ``full_locs`` (any shape, host or device
-        ints). With ``page_size > 1`` whole SWA pages are freed, each once, and the mapping
-        of EVERY full slot of those pages becomes 0. Raises ``KVSlotError`` (nothing
-        changed) if a slot has no live SWA slot (double free, never allocated) or is
-        invalid."""
-        pages, slots = self._full_pages_of(full_locs, "free_swa")
-        unmapped = self.full_to_swa_page[pages] == 0
-        if bool(unmapped.any()):
-            raise KVSlotError(
-                f"free_swa: full slots {_first(self._slots_in(slots, pages[unmapped]))} have no live "
-                "SWA slot (double free, already evicted or never allocated)"
-            )
-        self._unmap(pages)
-
-    def window_limit(self, seq_len: int, window: int) -> int:
-        """The eviction limit of a request of ``seq_len`` positions: positions below it lie
-        outside every future query's window (a query at ``>= seq_len`` sees keys
-        ``> pos - window``), rounded down to a whole page. Host ints; no checks."""
-        return max(0, seq_len - window + 1) // self.page_size * self.page_size
-
-    def evict_out_of_window(self, rows: ReqToTokenPool, req_row: int, seq_len: int, window: int) -> int:
-        """Free the SWA slots no future query of request row ``req_row`` can attend to.
-
-        A future query sits at position ``>= seq_len`` and sees keys ``> pos - window``, so
-        positions ``< seq_len - window + 1`` are dead. Frees positions ``[frontier, limit)``
-        of ``rows.req_to_token[req_row]`` (read from the device), ``limit`` being
-        ``max(0, seq_len - window + 1)`` rounded down to a page boundary, and moves the
-        row's frontier to ``limit``. Afterwards a request holds at most
-        ``window + page_size`` positions with live SWA slots. Returns the number of SWA
-        slots freed (host int; whole pages).
-
-        ``seq_len`` may not exceed what the row holds: every position in ``[frontier, seq_len)``
-        must hold a live full slot, otherwise ``KVSlotError`` naming the row's length, nothing
-        changed. This reads ``seq_len - frontier`` entries of the row from the device when the
-        call frees something (always under ``ATTNPLUG_VALIDATE=1``); a call that frees nothing
-        reads nothing.
-        """
-        if not isinstance(rows, ReqToTokenPool):
-            raise TypeError(f"evict_out_of_window: rows must be a ReqToTokenPool, got {type(rows).__name__}")
-        window = host_int(window, "evict_out_of_window: window", lo=1)
-        seq_len = host_int(seq_len, "evict_out_of_window: seq_len", lo=0, hi=rows.max_context_len)
-        ps = self.page_size
-        frontier = rows.swa_evicted_len(req_row)
-        limit = self.window_limit(seq_len, window)
-        if limit <= frontier and not validation_enabled():
-            return 0
-        held = rows.req_to_token[req_row, frontier:seq_len].to("cpu", torch.int64)  # positions to check
-        self._check_held(req_row, frontier, seq_len, held)
-        if limit <= frontier:
-            return 0
-        self.free_swa(held[: limit - frontier : ps])  # one slot per page
-        rows.set_swa_evicted_len(req_row, limit)
-        return limit - frontier
-
-    def evict_out_of_window_many(
-        self, rows: ReqToTokenPool, req_rows: HostInts, seq_lens: HostInts, window: int
-    ) -> int:
-        """``evict_out_of_window`` for several request rows at once (a decode step's batch),
-        with ONE read of the device rows instead of one per row: frees the same SWA slots and
-        moves the same frontiers as calling it row by row, and returns the total freed.
-        ``req_rows`` and ``seq_lens`` are host ints of equal length, each row once. Every row
-        is checked before anything changes: a refused call (a row not in use, a row twice, a
-        ``seq_len`` beyond what its row holds) raises ``KVSlotError`` naming the row, nothing
-        changed."""
-        if not isinstance(rows, ReqToTokenPool):
-            raise TypeError(f"evict_out_of_window_many: rows must be a ReqToTokenPool, got {type(rows).__name__}")
-        window = host_int(window, "evict_out_of_window_many: window", lo=1)
-        req = _host_int64(req_rows, "evict_out_of_window_many: req_rows").tolist()
-        seqs = _host_int64(seq_lens, "evict_out_of_window_many: seq_lens").tolist()
-        if len(req) != len(seqs):
-            raise KVSlotError(f"evict_out_of_window_many: {len(req)} req_rows but {len(seqs)} seq_lens")
-        if len(set(req)) != len(req):
-            raise KVSlotError(f"evict_out_of_window_many: req_rows name a row twice: {req}")
-        ps, check_all = self.page_size, validation_enabled()
-        plans = []  # (row, frontier, limit, seq_len) of the rows to read
-        for row, seq_len in zip(req, seqs):
-            seq_len = host_int(
-                seq_len, f"evict_out_of_window_many: seq_len of row {row}", lo=0, hi=rows.max_context_len
-            )
-            frontier = rows.swa_evicted_len(row)
-            limit = self.window_limit(seq_len, window)
-            if limit > frontier or check_all:
-                plans.append((row, frontier, limit, seq_len))
-        if not plans:
-            return 0
-        # One read of the rows' spans; every check and every slot to free as whole-batch ops.
-        row_t, frontier_t, limit_t, seq_t = (torch.tensor(col, dtype=torch.int64) for col in zip(*plans))
-        lo = int(frontier_t.min())
-        hi = max(int(seq_t.max()), lo)
-        index = row_t.to(rows.req_to_token.device)
-        held_all = rows.req_to_token[index, lo:hi].to("cpu", torch.int64)  # the one device read
-        col = torch.arange(lo, hi, dtype=torch.int64)[None, :]
-        span = (col >= frontier_t[:, None]) & (col < seq_t[:, None])  # positions each row must hold
-        live = (held_all >= ps) & (held_all < self.pool.size + ps)
-        live[live.clone()] = self._full.used[held_all[live] // ps]
-        bad_rows = (span & ~live).any(dim=1)
-        if bool(bad_rows.any()):
-            i = int(bad_rows.to(torch.int8).argmax())
-            row, frontier, _, seq_len = plans[i]
-            self._check_held(row, frontier, seq_len, held_all[i, frontier - lo : seq_len - lo])  # raises
-        # positions [frontier, limit) leave the window; frontier and limit are page multiples
-        gone = (col >= frontier_t[:, None]) & (col < limit_t[:, None]) & (col % ps == 0)
-        if not bool(gone.any()):
-            return 0
-        self.free_swa(held_all[gone])  # one slot per page; checks every slot before changing anything
-        total = 0
-        for row, frontier, limit, _ in plans:
-            if limit > frontier:
-                rows.set_swa_evicted_len(row, limit)
-                total += limit - frontier
-        return total
-
-    def _check_held(self, req_row: int, frontier: int, seq_len: int, held: torch.Tensor) -> None:
-        """Every position in ``[frontier, seq_len)`` of the row (``held``: its entries, host
-        int64) must hold a live full slot, else ``KVSlotError`` naming the row's length."""
-        ps = self.page_size
-        live = (held >= ps) & (held < self.pool.size + ps)
-        live[live.clone()] = self._full.used[held[live] // ps]
-        if not bool(live.all()):
-            length = frontier + int((~live).to(torch.int8).argmax())
-            raise KVSlotError(
-                f"evict_out_of_window: seq_len={seq_len} is beyond what row {req_row} holds: it holds "
-                f"{length} positions (req_to_token[{req_row}, {length}] = {int(held[length - frontier])} "
-                "is not a live full slot); evicting for it would free SWA slots the request still needs"
-            )
-
-    # ------------------------------------------------------------------ checking
-    def check_invariants(self) -> None:
-        """Raise ``InvariantViolation`` naming the first broken rule of the bookkeeping.
-        Copies the device mapping to the host: a debugging check, not for the hot path."""
-        for name, pool in (("full", self._full), ("SWA", self._swa)):
-            free = pool.free
-            if bool(pool.used[0]) or bool((free == 0).any()):
-                raise InvariantViolation(f"{name} page 0 (the padding sink) was handed out or is in the free list")
-            if bool(((free < 1) | (free > pool.num_pages)).any()):
-                raise InvariantViolation(f"{name} free list holds out-of-range pages {_first(free)}")
-            if torch.unique(free).numel() != free.numel():
-                raise InvariantViolation(f"{name} free list holds a page twice: {_first(free)}")
-            both = free[pool.used[free]]
-            if both.numel():
-                raise InvariantViolation(f"{name} pages {_first(both)} are both free and used")
-            used = int(pool.used.sum())
-            if free.numel() + used != pool.num_pages:
-                raise InvariantViolation(f"{name} pool: {free.numel()} free + {used} used pages != {pool.num_pages}")
-
-        fill, used = self.page_fill, self._full.used
-        wrong = torch.nonzero(torch.where(used, (fill < 1) | (fill > self.page_size), fill != 0)).flatten()
-        if wrong.numel():
-            raise InvariantViolation(
-                f"full pages {_first(wrong)} have page_fill {_first(fill[wrong])}: a used page "
-                f"has 1..{self.page_size} slots handed out, a free page 0"
-            )
-        f2s, s2f = self.full_to_swa_page, self.swa_to_full_page
-        if int(f2s[0]) or int(s2f[0]):
-            raise InvariantViolation("page 0 is part of the full -> SWA page mapping")
-        mapped = torch.nonzero(f2s).flatten()  # full pages with an SWA page
-        bad = mapped[~self._full.used[mapped]]
-        if bad.numel():
-            raise InvariantViolation(f"free full pages {_first(bad)} are mapped to SWA pages {_first(f2s[bad])}")
-        targets = f2s[mapped]
-        if torch.unique(targets).numel() != targets.numel():
-            raise InvariantViolation(f"two full pages map to one SWA page: {_first(targets)}")
-        bad = mapped[s2f[targets] != mapped]
-        if bad.numel():
-            raise InvariantViolation(
-                f"full pages {_first(bad)} map to SWA pages {_first(f2s[bad])} that are not owned by them"
-            )
-        if not torch.equal(self._swa.used, s2f != 0):
-            wrong = torch.nonzero(self._swa.used != (s2f != 0)).flatten()
-            raise InvariantViolation(
-                f"SWA pages {_first(wrong)}: used flag disagrees with ownership (used but unmapped, or mapped but free)"
-            )
-        owners = torch.nonzero(s2f).flatten()
-        bad = owners[f2s[s2f[owners]] != owners]
-        if bad.numel():
-            raise InvariantViolation(f"SWA pages {_first(bad)} are owned by full pages that do not map to them")
-
-        device_map = self.pool.full_to_swa_index_mapping.to("cpu", torch.int64)
-        if int(device_map[-1]) != -1:
-            raise InvariantViolation(f"full_to_swa_index_mapping[-1] is {int(device_map[-1])}, must be -1")
-        expected = torch.zeros_like(device_map)
-        expected[-1] = -1
-        expected[self._page_slots(mapped)] = self._page_slots(targets)
-        if not torch.equal(device_map, expected):
-            diff = torch.nonzero(device_map != expected).flatten()
-            raise InvariantViolation(
-                f"device full_to_swa_index_mapping differs from the host state at full slots "
-                f"{_first(diff)}: device {_first(device_map[diff])}, "
-                f"host {_first(expected[diff])}"
-            )
-
-    # ------------------------------------------------------------------ internals
-    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        """Every slot of ``pages`` (``[k]`` int64 CPU) in page order: ``[k * page_size]``."""
-        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
-
-    def _take_pages(self, k: int, fill: int = -1) -> torch.Tensor:
-        """Take ``k`` full pages, give each an SWA page, write the device mapping, set their
-        ``page_fill`` to ``fill`` (default: whole pages); returns the full pages (``[k]`` int64
-        CPU). Raises ``OutOfKVSlots`` before taking anything."""
-        if k > self._full.free.numel() or k > self._swa.free.numel():
-            raise OutOfKVSlots(k * self.page_size, self.full_available_size(), self.swa_available_size())
-        full, swa = self._full.take(k), self._swa.take(k)
-        self.page_fill[full] = self.page_size if fill < 0 else fill
-        self.full_to_swa_page[full] = swa
-        self.swa_to_full_page[swa] = full
-        self._write_mapping(self._page_slots(full), self._page_slots(swa))
-        return full
-
-    def _unmap(self, pages: torch.Tensor) -> None:
-        """Free the SWA pages of the mapped full ``pages`` (``[k]`` int64 CPU, distinct) and
-        zero the mapping of every slot of those full pages."""
-        swa = self.full_to_swa_page[pages]
-        self.full_to_swa_page[pages] = 0
-        self.swa_to_full_page[swa] = 0
-        self._swa.give_back(swa)
-        slots = self._page_slots(pages)
-        self._write_mapping(slots, torch.zeros_like(slots))
-
-    def _write_mapping(self, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> None:
-        """Scatter ``mapping[full_slots] = swa_slots`` on the device (one host -> device copy,
-        from pinned memory off the host: asynchronous, so the host never waits for the work
-        queued on the device, e.g. a step in flight)."""
-        if full_slots.numel() == 0:
-            return
-        both = torch.stack([full_slots, swa_slots])
-        if self.device.type != "cpu":
-            both = both.pin_memory().to(self.device, non_blocking=True)
-        self.pool.full_to_swa_index_mapping.index_copy_(0, both[0], both[1].to(torch.int32))
-
-    def _full_pages_of(self, full_locs: HostInts, what: str):
-        """Validate full slots and return ``(pages, slots)``: the distinct full pages they
-        lie in (``[k]`` int64 CPU, sorted) and the slots themselves (flat int64 CPU)."""
-        slots = _host_int64(full_locs, f"{what}: full_locs")
-        ps = self.page_size
-        out = slots[(slots < ps) | (slots >= self.pool.size + ps)]
-        if out.numel():
-            raise KVSlotError(
-                f"{what}: full_locs {_first(out)} are outside [{ps}, {self.pool.size + ps}) "
-                "(-1 is 'no slot' and slot 0 / page 0 the padding sink: neither is ever handed out)"
-            )
-        unique_slots, counts = torch.unique(slots, return_counts=True)
-        if bool((counts > 1).any()):
-            raise KVSlotError(f"{what}: full slots {_first(unique_slots[counts > 1])} are given more than once")
-        return torch.unique(slots // ps), slots
-
-    def _slots_in(self, slots: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """The entries of ``slots`` that lie in ``pages`` (both int64 CPU), for messages."""
-        return slots[torch.isin(slots // self.page_size, pages)]
+            self._release_full_pages(emptied)
 
     def _check_last_loc(self, prefix: torch.Tensor, seq: torch.Tensor, last: torch.Tensor) -> None:
         """``last`` must be -1 exactly where the prefix is empty, otherwise an allocated slot

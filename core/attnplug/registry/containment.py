@@ -10,6 +10,8 @@ Every call the registry makes into a plugin (importing its entry point, its hook
   ``Outcome`` or ``None`` when ``timeout`` seconds passed first. The thread is then abandoned
   (a hung probe keeps nothing waiting). In that thread even ``KeyboardInterrupt`` is contained:
   signals reach only the main thread, so it can only come from the plugin.
+* ``exc_text(exc)`` and ``short_repr(value)`` print a plugin's exceptions and objects without
+  ever raising.
 * While plugin code runs, the thread is marked; ``guard_reentry`` turns a registry call made
   from plugin code (a plugin calling ``attnplug.get_backend()`` at import time, in its hook or in
   its probe) into a ``RegistryError`` instead of a deadlock or a recursion.
@@ -38,6 +40,7 @@ __all__ = [
     "guard_reentry",
     "plugin_call",
     "probe_timeout",
+    "short_repr",
 ]
 
 _local = threading.local()
@@ -51,6 +54,15 @@ def exc_text(exc: BaseException) -> str:
     except BaseException:  # noqa: BLE001 - an unprintable exception still has a type
         text = "<unprintable message>"
     return f"{name}: {text}" if text else name
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to 200 characters, never raising (plugin objects may not print)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - plugin objects may not print
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 @dataclass(frozen=True)

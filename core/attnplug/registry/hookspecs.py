@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import pluggy
 
-__all__ = ["PROJECT_NAME", "hookspec", "hookimpl", "AttnplugHookspecs"]
+__all__ = ["PLUGIN_API_VERSION", "PROJECT_NAME", "hookspec", "hookimpl", "AttnplugHookspecs"]
+
+#: version of the plugin contract (``AttnplugHookspecs``); a plugin declares the version it was
+#: written for and is skipped when the major differs
+PLUGIN_API_VERSION = "1.0"
 
 #: the pluggy project name shared by the hook specification and every implementation
 PROJECT_NAME = "attnplug"

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-__all__ = ["SoakFailure", "ModeFigures", "SoakReport"]
+__all__ = ["SoakFailure", "StepFailed", "ModeFigures", "SoakReport"]
 
 
 @dataclass
@@ -30,6 +30,15 @@ class SoakFailure:
             f"seed {self.seed}, step {self.step}, mode {self.mode} ({self.path}), check {self.check}: "
             f"{self.message} [batch: {self.batch}]"
         )
+
+
+class StepFailed(Exception):
+    """A check failed during a step (``check``: as in ``SoakFailure``); the soak records it as a
+    ``SoakFailure`` and goes on with the next step."""
+
+    def __init__(self, check: str, message: str) -> None:
+        super().__init__(message)
+        self.check = check
 
 
 @dataclass

@@ -1,0 +1,193 @@
+"""Instruments that watch or disturb a step: ``TranslationProbe`` counts the full-to-SWA
+translations by phase, ``MappingPoison`` rewrites the mapping between the metadata call and the
+layers, ``poison_free_rows`` fills every KV row that holds no live token with random values.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from .harness import Step, World
+
+__all__ = ["TranslationProbe", "MappingPoison", "poison_free_rows"]
+
+
+class TranslationProbe:
+    """Counts ``pool.translate_loc_from_full_to_swa`` calls by phase.
+
+    While installed, the pool's translate and the backend's metadata methods and
+    ``forward`` are wrapped (instance attributes, removed by ``uninstall``). Each translate
+    call is recorded with the phase it happened in: ``"metadata"`` (inside one of the three
+    metadata methods), ``"layer"`` (inside ``forward``) or ``"other"``. ``after_metadata``
+    (optional callable) runs right after every metadata call returns, before any layer.
+    """
+
+    METADATA = (
+        "init_forward_metadata",
+        "init_forward_metadata_capture_cuda_graph",
+        "init_forward_metadata_replay_cuda_graph",
+    )
+
+    def __init__(self, world: World, after_metadata=None):
+        self.world = world
+        self.after_metadata = after_metadata
+        self.calls: List[Tuple[str, str]] = []  # (phase, metadata method or "forward")
+        self.metadata_calls: List[str] = []
+        self._phase: List[Tuple[str, str]] = []
+        self._installed: List[Tuple[object, str, bool, object]] = []
+
+    # -- wrapping
+    def _wrap(self, obj, name, wrapper) -> None:
+        own = name in vars(obj)
+        original = getattr(obj, name)
+        setattr(obj, name, wrapper(original))
+        self._installed.append((obj, name, own, original))
+
+    def install(self) -> "TranslationProbe":
+        probe = self
+
+        def translate_wrapper(original):
+            def translate(loc):
+                phase, where = probe._phase[-1] if probe._phase else ("other", "")
+                probe.calls.append((phase, where))
+                return original(loc)
+
+            return translate
+
+        def phase_wrapper(phase, where):
+            def wrapper(original):
+                def method(*args, **kwargs):
+                    probe._phase.append((phase, where))
+                    try:
+                        result = original(*args, **kwargs)
+                    finally:
+                        probe._phase.pop()
+                    if phase == "metadata":
+                        probe.metadata_calls.append(where)
+                        if probe.after_metadata is not None:
+                            probe.after_metadata(where)
+                    return result
+
+                return method
+
+            return wrapper
+
+        self._wrap(self.world.pool, "translate_loc_from_full_to_swa", translate_wrapper)
+        for name in self.METADATA:
+            self._wrap(self.world.backend, name, phase_wrapper("metadata", name))
+        self._wrap(self.world.backend, "forward", phase_wrapper("layer", "forward"))
+        return self
+
+    def uninstall(self) -> None:
+        for obj, name, own, original in reversed(self._installed):
+            if own:  # the object had its own attribute: put it back
+                setattr(obj, name, original)
+            else:  # the wrapper shadowed the class's method: remove it
+                vars(obj).pop(name, None)
+        self._installed.clear()
+
+    def __enter__(self) -> "TranslationProbe":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    # -- counts
+    def reset(self) -> None:
+        self.calls.clear()
+        self.metadata_calls.clear()
+
+    def count(self, phase: str) -> int:
+        return sum(1 for p, _ in self.calls if p == phase)
+
+
+class MappingPoison:
+    """Rewrites ``pool.full_to_swa_index_mapping`` between the metadata call and the layers,
+    for EVERY entry a step could read: the new tokens and the window prefix of each of its
+    requests (the positions its queries' windows reach). A translation made in the layer
+    loop (through the pool, a direct gather, or inside a kernel) then lands on other SWA
+    slots than the one made in metadata: a store goes to the wrong slots and a window table
+    gathered per layer reads random keys.
+
+    Built before the step (host work happens here): ``original`` are the SWA slots of the
+    new tokens (what metadata must translate to) and ``targets`` free SWA slots standing in
+    for them; the window prefix gets its own free slots. Every target is filled with random
+    values in every SWA layer. ``apply()`` (device writes only) points the entries at the
+    targets; ``restore()`` puts the original entries back.
+    """
+
+    def __init__(self, world: World, step: Step, *, seed: int = 1234):
+        self.world = world
+        pool = world.pool
+        self.loc = step.batch.out_cache_loc
+        n = self.loc.shape[0]
+        self.original = pool.translate_loc_from_full_to_swa(self.loc).to(torch.int64)  # [T] device
+        prefix = self._window_prefix(world, step)  # [P] device int64, live entries only
+        self.entries = torch.cat([self.loc.to(torch.int64), prefix])
+        self.entries_original = pool.translate_loc_from_full_to_swa(self.entries).to(torch.int64)
+        m = self.entries.shape[0]
+        free = world.free_swa_slots()
+        if free.numel() < m:
+            raise RuntimeError(f"the test world has {free.numel()} free SWA slots, {m} needed to poison the mapping")
+        all_targets = free[-m:].to(pool.device)  # the highest free slots: far from the step's own
+        self.targets = all_targets[:n]
+        self.prefix_entries = int(m - n)
+        self._all_targets = all_targets
+        gen = torch.Generator().manual_seed(seed)
+        self.swa_layers = sorted(pool.swa_layer_ids)
+        self.poison: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.swa_layers:
+            kb, vb = pool.get_kv_buffer(layer)
+            pk = torch.randn((m, *kb.shape[1:]), generator=gen).to(kb.device, kb.dtype)
+            pv = torch.randn((m, *vb.shape[1:]), generator=gen).to(vb.device, vb.dtype)
+            kb[all_targets] = pk
+            vb[all_targets] = pv
+            self.poison[layer] = (pk[:n], pv[:n])
+        self.applied = 0
+
+    @staticmethod
+    def _window_prefix(world: World, step: Step) -> torch.Tensor:
+        """Full slots of the positions before the step that its queries' windows reach and
+        that still have an SWA slot."""
+        W = world.spec.sliding_window
+        if W is None or not step.requests:
+            return torch.zeros(0, dtype=torch.int64, device=world.device)
+        parts = []
+        for r in step.requests:
+            lo = max(0, r.seq_len - W)
+            if r.seq_len > lo:
+                parts.append(world.rows.req_to_token[r.row, lo : r.seq_len].to(torch.int64))
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64, device=world.device)
+        loc = torch.cat(parts)
+        live = world.pool.translate_loc_from_full_to_swa(loc).to("cpu") > 0
+        return loc[live.to(loc.device)]
+
+    def apply(self) -> None:
+        mapping = self.world.pool.full_to_swa_index_mapping
+        mapping[self.entries] = self._all_targets.to(mapping.dtype)
+        self.applied += 1
+
+    def restore(self) -> None:
+        mapping = self.world.pool.full_to_swa_index_mapping
+        mapping[self.entries] = self.entries_original.to(mapping.dtype)
+
+
+def poison_free_rows(world: World, seed: int) -> None:
+    """Fill every KV row that holds no live token (slot 0, the padding sink, included) with
+    seeded random values, in every layer. Twin worlds poisoned with one seed stay identical;
+    a store outside the step's slots (a neighbour in the page, another layer, the sink) then
+    shows up as a cache difference even when it writes zeros."""
+    pool = world.pool
+    live_full = world.live_full_slots().to(pool.device)
+    live_swa = pool.translate_loc_from_full_to_swa(live_full).to(torch.int64) if pool.swa_layer_ids else None
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(pool.num_layers):
+        kb, vb = pool.get_kv_buffer(layer)
+        keep = torch.zeros(kb.shape[0], dtype=torch.bool, device=kb.device)
+        keep[live_swa[live_swa > 0] if pool.is_swa_layer(layer) else live_full] = True
+        for buf in (kb, vb):
+            noise = torch.randn(buf.shape, generator=gen).to(buf.device, buf.dtype)
+            buf.copy_(torch.where(keep[:, None, None], buf, noise))
