@@ -49,8 +49,8 @@ class GraphSupport(enum.IntEnum):
 GRAPH_MODES: Dict[GraphSupport, Tuple[ForwardMode, ...]] = {
     GraphSupport.NEVER: (),
     GraphSupport.DECODE_ONLY: (ForwardMode.DECODE,),
-    GraphSupport.UNIFORM: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND),
-    GraphSupport.ALWAYS: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.EXTEND),
+    GraphSupport.UNIFORM: ForwardMode.uniform(),
+    GraphSupport.ALWAYS: (*ForwardMode.uniform(), ForwardMode.EXTEND),
 }
 
 
