@@ -1,12 +1,11 @@
 """The ``ATTNPLUG_*`` environment variables: their names, meanings, defaults and parsing.
 
 The variables every part of attnplug honours are declared here (the table); a plugin declares
-its own in its ``env`` module with ``declare`` and the parsers below (the cuda plugin:
-``attnplug_cuda.env``), so ``FLAGS`` lists every variable of the plugins loaded and
-``flags_set()`` (what ``attnplug info`` and a benchmark report show) sees them all. Nothing
-reads an ``ATTNPLUG_*`` variable except through a declared flag's reader. Each reader looks at
-the environment at every call (so tests and engines may change a variable between calls) and
-costs one dictionary lookup.
+its own in its ``env`` module with ``declare`` and the parsers below, so ``FLAGS`` lists every
+variable of the plugins loaded and ``flags_set()`` (what ``attnplug info`` and a benchmark
+report show) sees them all. Nothing reads an ``ATTNPLUG_*`` variable except through a declared
+flag's reader. Each reader looks at the environment at every call (so tests and engines may
+change a variable between calls) and costs one dictionary lookup.
 
 =========================  ==============================  =====================================
 variable                   reader                          meaning (default)

@@ -5,11 +5,12 @@
 reports (``bench.json`` and the like), in the order given, which is how a history is back-filled.
 
 A line is one measured row (a numeric, finite ``value`` and no ``error``) with what it was
-measured on: ``date`` (UTC, ``YYYY-MM-DD``), ``device`` (the GPU's name, else the device
-string), ``sm_count``, ``torch``, ``triton``, ``cuda``, ``driver``, ``commit`` (12 hex), the
-``command`` as recorded, then ``suite``, ``benchmark``, ``case``, ``metric``, ``value``,
+measured on: ``date`` (UTC, ``YYYY-MM-DD``), ``device`` (the accelerator's name, else the
+device string), ``sm_count``, ``versions`` (the recorded versions: ``torch``, ``triton``,
+``driver`` and the ``torch_*`` build versions a suite's environment adds), ``commit`` (12 hex),
+the ``command`` as recorded, then ``suite``, ``benchmark``, ``case``, ``metric``, ``value``,
 ``unit`` and, where the row has them, ``variant``, ``bs`` and ``series``. Unknown fields are
-null. Keys are sorted; one compact line per row.
+null (a version not recorded is left out). Keys are sorted; one compact line per row.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ __all__ = ["history_lines", "append_history", "main"]
 
 #: the row keys a line keeps when the row has them (what the plots draw a row by)
 PLOT_KEYS = ("variant", "bs", "series")
+#: the environment's versions a line keeps, besides every ``torch_*`` key (the build's)
+VERSION_KEYS = ("torch", "triton", "driver")
 
 
 def _date(text: Any) -> Optional[str]:
@@ -46,6 +49,12 @@ def _version(text: Any) -> Optional[str]:
     return text if text and text[0].isdigit() else None
 
 
+def _versions(env: Dict[str, Any]) -> Dict[str, str]:
+    names = [k for k in VERSION_KEYS if k in env] + sorted(k for k in env if k.startswith("torch_"))
+    versions = {k: _version(env.get(k)) for k in names}
+    return {k: v for k, v in versions.items() if v is not None}
+
+
 def _device(report: Dict[str, Any], env: Dict[str, Any]) -> Optional[str]:
     device = report.get("device") or env.get("device")
     name = env.get("gpu")
@@ -64,10 +73,7 @@ def history_lines(report: Dict[str, Any]) -> List[Dict[str, Any]]:
         "date": _date(env.get("date_utc")),
         "device": _device(report, env),
         "sm_count": int(sm_count) if isinstance(sm_count, (int, float)) and not isinstance(sm_count, bool) else None,
-        "torch": _version(env.get("torch")),
-        "triton": _version(env.get("triton")),
-        "cuda": _version(env.get("torch_cuda")),
-        "driver": _version(env.get("driver")),
+        "versions": _versions(env),
         "commit": str(commit)[:12] if commit else None,
         "command": env.get("command"),
         "suite": report.get("suite"),
