@@ -45,6 +45,10 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
+#: the attention kernels' integer arguments that are compared or multiplied, never part of an
+#: address whose alignment matters: Triton does not specialise on them (``do_not_specialize``),
+#: so a world whose cache holds 513 slots, or whose window is 16, compiles no kernel of its own
+VALUES_ONLY = ("window", "num_kv_heads", "num_slots")
 #: the dtypes of q, the cache and the output every attention kernel serves
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -44,7 +44,7 @@ _MAX_BLOCK = 4096  # elements one program handles per chunk (Hkv * D is usually 
 ensure_interpreter_compat()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_slots",))
 def _kv_store_kernel(
     K,
     V,

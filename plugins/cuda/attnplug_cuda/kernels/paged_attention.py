@@ -63,6 +63,7 @@ import triton.language as tl
 
 from ..planner import PagedPlan
 from .common import (
+    VALUES_ONLY,
     AttentionInputs,
     NewRows,
     causal_window,
@@ -131,7 +132,7 @@ def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VALUES_ONLY)
 def _paged_attention_kernel(
     Q,
     K,

@@ -106,7 +106,12 @@ class WindowTable(NamedTuple):
     width: int
 
 
-@triton.jit(do_not_specialize=_PER_STEP)
+#: arguments only compared or stored, never part of an address: not specialised either, so
+#: steps of other sizes share the compiled kernel
+_VALUES = ("mapping_len", "loc_len", "window", "padded_tokens", "fill_value", "NB_LOC")
+
+
+@triton.jit(do_not_specialize=_PER_STEP + _VALUES)
 def _step_metadata_kernel(
     ReqPoolIdx,
     SeqLens,
@@ -387,7 +392,8 @@ def step_metadata(
     meta = dict(
         BLOCK_T=_BLOCK_T,
         BLOCK_W=_BLOCK_W,
-        BLOCK_BS=min(triton.next_power_of_2(max(grid_bs, 1)), _MAX_BLOCK_BS),
+        # the prefix sum's block (uniform steps have none: one value, one compiled kernel)
+        BLOCK_BS=1 if uniform else min(triton.next_power_of_2(max(grid_bs, 1)), _MAX_BLOCK_BS),
         PDL=schedule,
         num_warps=4,
         **launch_options(schedule),

@@ -69,6 +69,7 @@ import triton.language as tl
 
 from ..planner import OneLaunchPlan
 from .common import (
+    VALUES_ONLY,
     AttentionInputs,
     NewRows,
     causal_window,
@@ -164,7 +165,7 @@ def _merge_splits(Out, Work, WorkL, WorkAcc, Sinks, gbase, q_start, hk, n_rows, 
     tl.store(r_ptrs, out.to(Out.dtype.element_ty), mask=r_valid[:, None] & d_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VALUES_ONLY)
 def _store_attend_kernel(
     Q,
     Out,
