@@ -27,18 +27,8 @@ import torch
 from attnplug import ForwardMode
 from attnplug_conformance.harness import World, WorldSpec
 
-SPEC = WorldSpec(
-    num_layers=4,
-    num_heads=16,
-    num_kv_heads=4,
-    head_dim=128,
-    dtype=torch.bfloat16,
-    sliding_window=64,
-    size=65536,
-    size_swa=16384,
-    max_reqs=64,
-    max_context_len=1024,
-)
+MODEL = dict(num_layers=4, num_heads=16, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, sliding_window=64)
+SPEC = WorldSpec(**MODEL, size=65536, size_swa=16384, max_reqs=64, max_context_len=1024)
 NDT = 4
 
 

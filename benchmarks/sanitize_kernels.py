@@ -26,19 +26,8 @@ from attnplug_conformance.harness import World, WorldSpec
 
 #: 8 kv heads: three requests' 24 groups fill a sixteenth of the SMs (decode steps release at
 #: entry); a 1,024-key bound: the full layers' decode plans pair their programs
-SPEC = WorldSpec(
-    num_layers=2,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    dtype=torch.bfloat16,
-    sliding_window=16,
-    size=4096,
-    size_swa=1024,
-    max_reqs=8,
-    max_context_len=1024,
-    swa_layer_ids=(0,),
-)
+MODEL = dict(num_layers=2, swa_layer_ids=(0,), num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+SPEC = WorldSpec(**MODEL, sliding_window=16, size=4096, size_swa=1024, max_reqs=8, max_context_len=1024)
 
 
 def _steps(backend_cls) -> World:

@@ -49,20 +49,10 @@ def drive() -> None:
         ({}, paged, 2),  # decode and verify steps through paged_attention, storing the step
         ({}, cuda_backend.CudaBackend, 8),  # 24 groups: decode steps fold their own key, release at entry, pair
     ):
-        spec = WorldSpec(
-            num_layers=2,
-            num_heads=4 * kv_heads,
-            num_kv_heads=kv_heads,
-            head_dim=128,
-            dtype=torch.bfloat16,
-            sliding_window=16,
-            size=2048,
-            size_swa=1024,
-            max_reqs=8,
-            max_context_len=1024,  # full layers split their KV range (the combine kernel)
-            swa_layer_ids=(0,),
-            **extra,
-        )
+        model = dict(num_layers=2, swa_layer_ids=(0,), num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=128)
+        # a 1,024-key bound: full layers split their KV range (the combine kernel)
+        pools = dict(size=2048, size_swa=1024, max_reqs=8, max_context_len=1024)
+        spec = WorldSpec(**model, **pools, dtype=torch.bfloat16, sliding_window=16, **extra)
         world = World(spec, backend_cls, "cpu", seed=0)
         world.backend.pdl = True  # the launches a Hopper GPU gets
         reqs = [world.new_request() for _ in range(3)]

@@ -136,18 +136,8 @@ def test_hybrid_world_and_runner_plumbing_on_cpu():
     from attnplug.bench.world import build_world
     from attnplug_cuda.bench import hybrid_step
 
-    world = build_world(
-        num_layers=4,
-        max_bs=3,
-        context=16,
-        window=5,
-        num_draft=hybrid_step.NUM_DRAFT,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        dtype=torch.float32,
-        device="cpu",
-    )
+    model = dict(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    world = build_world(**model, max_bs=3, context=16, window=5, num_draft=hybrid_step.NUM_DRAFT, device="cpu")
     assert world.alloc.swa_available_size() >= 0
     world.alloc.check_invariants()
     variants = hybrid_step.variants()

@@ -24,9 +24,10 @@ from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 PDL_MODES = [None, PLAIN] if PDL else [None]
 
 
-def plan_attention(**shape):
-    """The planner's paged plan (the default tuning) for ``LaunchShape(**shape)``."""
-    return plan_paged(LaunchShape(**shape), CudaTuning())
+def plan_attention(*shape):
+    """The planner's paged plan (the default tuning) for ``LaunchShape(*shape)``: requests,
+    tokens, kv heads, group, head dim, max q len, max kv len, window, SMs."""
+    return plan_paged(LaunchShape(*shape), CudaTuning())
 
 
 @pytest.mark.parametrize(
@@ -65,17 +66,7 @@ def test_target_verify_full_layer_via_req_to_token():
 
 
 def test_long_extend_uses_large_tiles():
-    plan = plan_attention(
-        num_reqs=2,
-        num_tokens=60,
-        num_kv_heads=2,
-        group=4,
-        head_dim=64,
-        max_q_len=40,
-        max_kv_len=100,
-        window=None,
-        num_sms=8,
-    )
+    plan = plan_attention(2, 60, 2, 4, 64, 40, 100, None, 8)
     assert plan.BLOCK_M == 128
     run_case([40, 20], [60, 20], H=8, Hkv=2, D=64, layer="full", seed=3)
     run_case([40, 20], [60, 20], H=8, Hkv=2, D=64, window=24, layer="swa", seed=4)
@@ -89,17 +80,7 @@ def test_split_kv_and_combine(layer, window):
 
 
 def test_heuristic_splits_a_small_batch():
-    plan = plan_attention(
-        num_reqs=1,
-        num_tokens=1,
-        num_kv_heads=1,
-        group=4,
-        head_dim=64,
-        max_q_len=1,
-        max_kv_len=600,
-        window=None,
-        num_sms=8,
-    )
+    plan = plan_attention(1, 1, 1, 4, 64, 1, 600, None, 8)
     assert plan.NUM_SPLITS == 3 and plan.BLOCK_M == 16
     run_case([1], [600], H=4, Hkv=1, D=64, seed=6)
 
@@ -125,31 +106,11 @@ def test_pdl_matches_non_pdl():
 def test_plan_fills_an_h200_for_swa_decode():
     """bs=64, 8 kv heads, window 4096: at least a full wave of programs on 132 SMs, and the
     workspace bound covers every plan it can produce."""
-    plan = plan_attention(
-        num_reqs=64,
-        num_tokens=64,
-        num_kv_heads=8,
-        group=4,
-        head_dim=128,
-        max_q_len=1,
-        max_kv_len=32768,
-        window=4096,
-        num_sms=132,
-    )
+    plan = plan_attention(64, 64, 8, 4, 128, 1, 32768, 4096, 132)
     assert 64 * 8 * plan.NUM_SPLITS >= 132
     for bs in (1, 2, 7, 64, 300):
         for q_len in (1, 4):
-            p = plan_attention(
-                num_reqs=bs,
-                num_tokens=bs * q_len,
-                num_kv_heads=8,
-                group=4,
-                head_dim=128,
-                max_q_len=q_len,
-                max_kv_len=32768,
-                window=None,
-                num_sms=132,
-            )
+            p = plan_attention(bs, bs * q_len, 8, 4, 128, q_len, 32768, None, 132)
             if p.NUM_SPLITS > 1:
                 need = bs * q_len * 32 * p.NUM_SPLITS * (128 + 2)
                 assert need <= paged_workspace_numel(bs * q_len, 32, 128, CudaTuning())

@@ -32,7 +32,7 @@ with ``ctx.timer``, logs progress with ``ctx.log`` and skips remaining cases whe
 from .context import Ctx, Deadline
 from .lookup import suite_for
 from .portable import SUITE
-from .rows import row, summarize
+from .rows import bandwidth_row, error_row, row, summarize
 from .runner import run_suite
 from .suite import Benchmark, Suite, SuiteUnavailable
 from .timing import Timer, copy_bandwidth, free_memory, median
@@ -45,7 +45,9 @@ __all__ = [
     "Suite",
     "SuiteUnavailable",
     "Timer",
+    "bandwidth_row",
     "copy_bandwidth",
+    "error_row",
     "free_memory",
     "median",
     "row",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional
 
-__all__ = ["row", "summarize", "benchmark_error_row", "failure_row"]
+__all__ = ["row", "summarize", "benchmark_error_row", "failure_row", "error_row", "bandwidth_row"]
 
 
 def row(
@@ -86,3 +86,17 @@ def benchmark_error_row(benchmark: str, error: str, **extra: Any) -> Dict[str, A
 def failure_row(benchmark: str, exc: BaseException, tb: str = "") -> Dict[str, Any]:
     """The row a benchmark that raised leaves behind."""
     return benchmark_error_row(benchmark, f"{type(exc).__name__}: {exc}", traceback=tb)
+
+
+def error_row(benchmark: str, case: str, metric: str, unit: str, exc: BaseException, **extra: Any) -> Dict[str, Any]:
+    """The row of one case that raised ``exc`` (with the traceback being handled); the other
+    cases of the benchmark still run."""
+    import traceback
+
+    return row(benchmark, case, metric, None, unit, error=f"{type(exc).__name__}: {exc}",
+               traceback=traceback.format_exc(), **extra)  # fmt: skip
+
+
+def bandwidth_row(benchmark: str, case: str, measured: Dict[str, Any], **extra: Any) -> Dict[str, Any]:
+    """The row of a copy-bandwidth measurement (``timing.copy_bandwidth``'s result)."""
+    return row(benchmark, case, "bandwidth", measured["tb_s"], "TB/s", us=measured["us"], key=True, **extra)

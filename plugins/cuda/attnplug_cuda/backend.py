@@ -58,25 +58,11 @@ class CudaBackend(AttentionBackend):
     copies_replay_batch = True  # the one metadata launch also fills the runner's static batch
     device_part = CudaDevice()
 
-    def __init__(
-        self,
-        pool,
-        req_to_token_pool,
-        *,
-        num_heads,
-        sliding_window=None,
-        scaling=None,
-        logit_softcap=None,
-        tuning: Optional[CudaTuning] = None,
-    ):
-        super().__init__(
-            pool,
-            req_to_token_pool,
-            num_heads=num_heads,
-            sliding_window=sliding_window,
-            scaling=scaling,
-            logit_softcap=logit_softcap,
-        )
+    def __init__(self, pool, req_to_token_pool, *, tuning: Optional[CudaTuning] = None, **layer):
+        """``layer``: what every backend takes (``num_heads``, ``sliding_window``, ``scaling``,
+        ``logit_softcap``: ``AttentionBackend``); ``tuning``: ``CudaTuning.from_env()`` when
+        None."""
+        super().__init__(pool, req_to_token_pool, **layer)
         if self.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"the cuda backend needs a pool on a CUDA device, got {self.device} "

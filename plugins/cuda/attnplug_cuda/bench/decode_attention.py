@@ -28,12 +28,11 @@ import os
 import signal
 import subprocess
 import sys
-import traceback
 from typing import List, Optional
 
 import torch
 
-from attnplug.bench import Ctx, Timer, copy_bandwidth, free_memory, row
+from attnplug.bench import Ctx, Timer, bandwidth_row, copy_bandwidth, error_row, free_memory, row
 
 NAME = "decode_attention"
 BS, CONTEXT, WINDOW, H, HKV, D = 64, 32768, 4096, 32, 8, 128
@@ -137,25 +136,10 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, rep_ms: float
                 met=diff <= 2e-2,
             )
         )
-        us_sdpa = ctx.timer.device_us(lambda: _sdpa(q4, kc, vc), rep_ms=rep_ms)
-        rows.append(
-            row(
-                NAME,
-                "peer: SDPA, contiguous window, enable_gqa",
-                "time",
-                us_sdpa,
-                "us",
-                achieved_tb_s=BYTES / (us_sdpa * 1e-6) / 1e12,
-                ours_speedup=us_sdpa / us,
-                key=True,
-                detail=f"{BYTES / (us_sdpa * 1e-6) / 1e12:.2f} TB/s; cuda backend {us_sdpa / us:.2f}x its speed",
-            )
-        )
-        ctx.log(f"  SDPA contiguous: {us_sdpa:.1f} us (max |diff| vs ours {diff:.2e})")
+        ctx.log(f"  max |diff| SDPA vs ours {diff:.2e}")
+        _peer(ctx, rows, "peer: SDPA, contiguous window, enable_gqa", lambda: _sdpa(q4, kc, vc), us, rep_ms)
     except Exception as exc:
-        rows.append(
-            row(NAME, "peer: SDPA, contiguous window", "time", None, "us", error=f"{type(exc).__name__}: {exc}")
-        )
+        rows.append(error_row(NAME, "peer: SDPA, contiguous window", "time", "us", exc))
         ctx.log(f"  SDPA contiguous: FAILED {type(exc).__name__}: {exc}")
     kc = vc = None  # free the contiguous copies before the gather peer
     free_memory(ctx.timer)
@@ -169,59 +153,44 @@ def _paged_and_peers(ctx: Ctx, rows: List[dict], copy_tb_s: float, rep_ms: float
         return _sdpa(q4, kg, vg)
 
     try:
-        us_g = ctx.timer.device_us(gather_sdpa, rep_ms=rep_ms)
-        rows.append(
-            row(
-                NAME,
-                "peer: gather k_cache[table] + SDPA",
-                "time",
-                us_g,
-                "us",
-                achieved_tb_s=BYTES / (us_g * 1e-6) / 1e12,
-                ours_speedup=us_g / us,
-                key=True,
-                detail=f"cuda backend {us_g / us:.2f}x its speed",
-            )
-        )
-        ctx.log(f"  gather + SDPA: {us_g:.1f} us")
+        _peer(ctx, rows, "peer: gather k_cache[table] + SDPA", gather_sdpa, us, rep_ms)
     except Exception as exc:
-        rows.append(row(NAME, "peer: gather + SDPA", "time", None, "us", error=f"{type(exc).__name__}: {exc}"))
+        rows.append(error_row(NAME, "peer: gather + SDPA", "time", "us", exc))
         ctx.log(f"  gather + SDPA: FAILED {type(exc).__name__}: {exc}")
     return us
+
+
+def _peer(ctx: Ctx, rows: List[dict], case: str, fn, us: float, rep_ms: float) -> None:
+    """Time a peer's ``fn`` and append its row against the cuda backend's ``us``."""
+    us_peer = ctx.timer.device_us(fn, rep_ms=rep_ms)
+    tb_s = BYTES / (us_peer * 1e-6) / 1e12
+    rows.append(
+        row(
+            NAME,
+            case,
+            "time",
+            us_peer,
+            "us",
+            achieved_tb_s=tb_s,
+            ours_speedup=us_peer / us,
+            key=True,
+            detail=f"{tb_s:.2f} TB/s; cuda backend {us_peer / us:.2f}x its speed",
+        )  # fmt: skip
+    )
+    ctx.log(f"  {case}: {us_peer:.1f} us")
 
 
 def run(ctx: Ctx) -> List[dict]:
     rows: List[dict] = ctx.rows
     rep_ms = 30.0 if ctx.quick else 100.0
     bw = copy_bandwidth(ctx.timer, 2 << 30, rep_ms=rep_ms)
-    rows.append(
-        row(
-            NAME,
-            "device-to-device copy (2 GiB, read+write)",
-            "bandwidth",
-            bw["tb_s"],
-            "TB/s",
-            us=bw["us"],
-            bytes=bw["bytes"],
-            key=True,
-        )
-    )
+    rows.append(bandwidth_row(NAME, "device-to-device copy (2 GiB, read+write)", bw, bytes=bw["bytes"]))
     ctx.log(f"  copy bandwidth: {bw['tb_s']:.3f} TB/s ({bw['us']:.1f} us for {bw['bytes'] / 1e9:.2f} GB)")
     us = None
     try:
         us = _paged_and_peers(ctx, rows, bw["tb_s"], rep_ms)
     except Exception as exc:
-        rows.append(
-            row(
-                NAME,
-                "cuda backend (paged, swa_window_table)",
-                "time",
-                None,
-                "us",
-                error=f"{type(exc).__name__}: {exc}",
-                traceback=traceback.format_exc(),
-            )
-        )
+        rows.append(error_row(NAME, "cuda backend (paged, swa_window_table)", "time", "us", exc))
         ctx.log(f"  cuda backend: FAILED {type(exc).__name__}: {exc}")
     free_memory(ctx.timer)
 

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import functools
 import math
-import traceback
 from typing import List, Optional
 
 import torch
 
-from attnplug.bench import Ctx, copy_bandwidth, free_memory, row
+from attnplug.bench import Ctx, bandwidth_row, copy_bandwidth, error_row, free_memory, row
 
 NAME = "kernels"
 H, HKV, D = 32, 8, 128
@@ -220,9 +219,7 @@ def _guarded(ctx: Ctx, case: str, fn) -> None:
         ctx.rows.append(r)
         ctx.log(f"  {case}: {r['value']:.1f} us  {r.get('detail', '')}")
     except Exception as exc:
-        ctx.rows.append(
-            row(NAME, case, "time", None, "us", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        )
+        ctx.rows.append(error_row(NAME, case, "time", "us", exc))
         ctx.log(f"  {case}: FAILED {type(exc).__name__}: {exc}")
         free_memory(ctx.timer)
 
@@ -307,16 +304,7 @@ def run(ctx: Ctx) -> List[dict]:
     pdl, reason = pdl_supported(ctx.device)
     bw = copy_bandwidth(ctx.timer, 2 << 30, rep_ms=30.0 if ctx.quick else 100.0)
     ctx.rows.append(
-        row(
-            NAME,
-            "device-to-device copy (2 GiB, read+write)",
-            "bandwidth",
-            bw["tb_s"],
-            "TB/s",
-            us=bw["us"],
-            key=True,
-            detail=f"PDL {pdl} ({reason})",
-        )
+        bandwidth_row(NAME, "device-to-device copy (2 GiB, read+write)", bw, detail=f"PDL {pdl} ({reason})")
     )
     ctx.log(f"  copy bandwidth {bw['tb_s']:.2f} TB/s; PDL {pdl} ({reason})")
     cases = [

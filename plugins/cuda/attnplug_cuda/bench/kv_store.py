@@ -19,12 +19,11 @@ Targets: <= 1.2 us/layer with PDL; PDL >= 1.15x faster than without; >= 8x faste
 
 from __future__ import annotations
 
-import traceback
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from attnplug.bench import Ctx, free_memory, row
+from attnplug.bench import Ctx, error_row, free_memory, row
 
 NAME = "kv_store"
 NUM_LAYERS = 61
@@ -138,17 +137,7 @@ def run(ctx: Ctx) -> List[dict]:
             )
             ctx.log(f"  {name:14s} {us:8.3f} us/layer  (stored ok: {ok})")
         except Exception as exc:  # keep the other variants
-            rows.append(
-                row(
-                    NAME,
-                    name,
-                    "time per layer",
-                    None,
-                    "us",
-                    error=f"{type(exc).__name__}: {exc}",
-                    traceback=traceback.format_exc(),
-                )
-            )
+            rows.append(error_row(NAME, name, "time per layer", "us", exc))
             ctx.log(f"  {name}: FAILED {type(exc).__name__}: {exc}")
         free_memory(ctx.timer)
     for name, why in reasons.items():

@@ -25,12 +25,11 @@ Per case and path (new = the cuda backend, before = ``BeforeBackend``):
 from __future__ import annotations
 
 import time
-import traceback
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from attnplug.bench import Ctx, free_memory, row
+from attnplug.bench import Ctx, error_row, free_memory, row
 from attnplug.bench.step_case import replay_prep_us
 
 NAME = "step_metadata"
@@ -268,17 +267,7 @@ def run(ctx: Ctx) -> List[dict]:
                     ctx, rows, world, backend, path, mode, bs, iters, cycles, enqueue=(mode, bs) == enqueue_case
                 )
             except Exception as exc:
-                rows.append(
-                    row(
-                        NAME,
-                        f"{label} {path}",
-                        "all",
-                        None,
-                        "",
-                        error=f"{type(exc).__name__}: {exc}",
-                        traceback=traceback.format_exc(),
-                    )
-                )
+                rows.append(error_row(NAME, f"{label} {path}", "all", "", exc))
                 ctx.log(f"  {label} {path}: FAILED {type(exc).__name__}: {exc}")
             finally:
                 free_memory(ctx.timer)
