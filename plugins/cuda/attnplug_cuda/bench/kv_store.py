@@ -146,34 +146,13 @@ def run(ctx: Ctx) -> List[dict]:
         rows.append(row(NAME, name, "time per layer", None, "us", notes=f"not run: {short}", reason=why, key=True))
 
     for impl in ("triton", "cpp"):
-        on, off = per_layer.get(f"{impl} pdl"), per_layer.get(f"{impl} no-pdl")
-        if on and off:
-            s = off / on
-            rows.append(
-                row(
-                    NAME,
-                    f"{impl}: pdl vs no-pdl",
-                    "speedup",
-                    s,
-                    "x",
-                    target=f">= {TARGET_PDL_SPEEDUP}x",
-                    met=s >= TARGET_PDL_SPEEDUP,
-                    detail=f"{off:.3f} -> {on:.3f} us/layer",
-                )
-            )
-        before = per_layer.get("before")
-        if on and before:
-            s = before / on
-            rows.append(
-                row(
-                    NAME,
-                    f"{impl} pdl vs before",
-                    "speedup",
-                    s,
-                    "x",
-                    target=f">= {TARGET_VS_BEFORE}x",
-                    met=s >= TARGET_VS_BEFORE,
-                    detail=f"{before:.3f} -> {on:.3f} us/layer",
-                )
-            )
+        on, off, before = per_layer.get(f"{impl} pdl"), per_layer.get(f"{impl} no-pdl"), per_layer.get("before")
+        for case, slow, target in (
+            (f"{impl}: pdl vs no-pdl", off, TARGET_PDL_SPEEDUP),
+            (f"{impl} pdl vs before", before, TARGET_VS_BEFORE),
+        ):
+            if on and slow:
+                s = slow / on
+                detail = f"{slow:.3f} -> {on:.3f} us/layer"
+                rows.append(row(NAME, case, "speedup", s, "x", target=f">= {target}x", met=s >= target, detail=detail))
     return rows
