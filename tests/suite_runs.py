@@ -12,7 +12,8 @@ from typing import List, Tuple
 import pytest
 
 from attnplug_conformance.plugin import CHECKS_DIR
-from attnplug_conformance.runner import ResultCollector, pytest_plugin_args
+from attnplug_conformance.pytest_args import pytest_plugin_args
+from attnplug_conformance.runner import ResultCollector
 
 
 def run_pytest(*args: str) -> Tuple[int, ResultCollector]:

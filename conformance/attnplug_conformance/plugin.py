@@ -31,6 +31,7 @@ marked ``xfail(strict=True)``: they must fail, and an unexpected pass is a failu
 from __future__ import annotations
 
 import fnmatch
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,8 @@ class _State:
 
 
 _STATE = pytest.StashKey[_State]()
+#: the ``workerinput`` key that carries this process's ``sys.path`` to pytest-xdist workers
+_WORKER_SYS_PATH = "attnplug_sys_path"
 
 
 def _state(config) -> _State:
@@ -139,6 +142,9 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
+    controller_path = getattr(config, "workerinput", {}).get(_WORKER_SYS_PATH)
+    if controller_path:  # a pytest-xdist worker: import what the controller imports
+        sys.path[:0] = [p for p in controller_path if p not in sys.path]
     state = _State(
         cli=list(config.getoption("attnplug_backends") or []),
         ini=list(config.getini("attnplug_backends") or []),
@@ -159,6 +165,15 @@ def pytest_configure(config) -> None:
     if args_source is not None and args_source != config.ArgsSource.ARGS:
         # No paths on the command line: run the suite instead of testpaths / the current dir.
         config.args = [str(CHECKS_DIR)]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """Spread over pytest-xdist workers (``attnplug conformance --jobs``), each worker gets
+    this process's ``sys.path``: a ``module:Class`` backend found on a path added here (a
+    test directory, a script's folder) imports there too."""
+    if _state(node.config).asked:
+        node.workerinput[_WORKER_SYS_PATH] = list(sys.path)
 
 
 # ---------------------------------------------------------------------------- collection

@@ -5,9 +5,10 @@
 * ``backends``: registry names (or ``module:Class``) to test; default: every AVAILABLE
   registered backend (the others are listed as not run, with the reason). A requested name
   that is unknown or unavailable is an error naming the alternatives (exit code 2).
-* For each backend, pytest runs in-process over the suite's check modules with
-  ``--attnplug-backend NAME`` (its own quiet progress line is the progress display); a
-  collector plugin records every test's outcome.
+* For each backend, pytest runs over the suite's check modules with ``--attnplug-backend
+  NAME`` (its own quiet progress line is the progress display), in this process or, with
+  ``jobs`` > 1, spread over that many pytest-xdist worker processes (:func:`worker_count`); a
+  collector plugin in this process records every test's outcome.
 * Then a rich matrix check x backend (pass / FAIL / skip with reason / xfail) and the
   failures' messages are printed, and ``report`` (a path) receives the JSON report:
   versions (attnplug, torch, python, pytest, triton when installed), platform, and per
@@ -20,44 +21,24 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import pytest
 
 from attnplug.cli_errors import fail
 
 from .plugin import CHECKS_DIR, check_name_of, check_names
+from .pytest_args import pytest_plugin_args, worker_count
 
-__all__ = ["run_conformance", "pytest_plugin_args", "ResultCollector", "REPORT_VERSION"]
+__all__ = ["run_conformance", "ResultCollector", "REPORT_VERSION"]
 
 REPORT_VERSION = 1
-_ENTRY_POINT = "attnplug_conformance"
-
-
-def pytest_plugin_args() -> List[str]:
-    """Arguments of an in-process suite run: ``-p`` loading the suite's pytest plugin exactly
-    once (by its entry-point name when pytest autoloads installed plugins, ``-p
-    attnplug_conformance``: naming the module as well would register it twice; else by
-    module), and the run kept in this process, where the results' collector sees every test:
-    the ``addopts`` of whatever pytest configuration lies above the checks are dropped and
-    pytest-xdist is blocked (a project that runs its own tests with ``-n`` would otherwise
-    spread the suite over worker processes)."""
-    in_process = ["-o", "addopts=", "-p", "no:xdist"]
-    autoload = not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-    try:
-        eps = importlib.metadata.entry_points(group="pytest11", name=_ENTRY_POINT)
-    except Exception:
-        eps = ()
-    if autoload and any(ep.value == "attnplug_conformance.plugin" for ep in eps):
-        return [*in_process, "-p", _ENTRY_POINT]
-    return [*in_process, "-p", "attnplug_conformance.plugin"]
 
 
 # ---------------------------------------------------------------------------- collecting results
@@ -99,6 +80,12 @@ def _message(report) -> str:
     return lines[-1] if lines else ""
 
 
+def _check_of_nodeid(nodeid: str) -> str:
+    """The check of a test known by its id only (a suite check's function is named after its
+    module)."""
+    return nodeid.split("::")[-1].split("[")[0]
+
+
 class ResultCollector:
     """A pytest plugin object that records every test's outcome (``results``, by nodeid) and
     collection errors (``collect_errors``)."""
@@ -113,6 +100,15 @@ class ResultCollector:
         for item in session.items:
             self.results[item.nodeid] = TestResult(item.nodeid, check_name_of(item), outcome="not run")
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        """With workers, what this process learns of the collection: each worker's test ids
+        (the same list from every worker), in the run order."""
+        if not self.results:
+            self.total = len(ids)
+            for nodeid in ids:
+                self.results[nodeid] = TestResult(nodeid, _check_of_nodeid(nodeid), outcome="not run")
+
     def pytest_collectreport(self, report) -> None:
         if report.failed:
             self.collect_errors.append(f"{report.nodeid or '<session>'}: {_message(report) or report.longreprtext}")
@@ -120,9 +116,7 @@ class ResultCollector:
     def pytest_runtest_logreport(self, report) -> None:
         result = self.results.get(report.nodeid)
         if result is None:
-            result = self.results[report.nodeid] = TestResult(
-                report.nodeid, report.nodeid.split("::")[-1].split("[")[0]
-            )
+            result = self.results[report.nodeid] = TestResult(report.nodeid, _check_of_nodeid(report.nodeid))
         result.duration += getattr(report, "duration", 0.0) or 0.0
         if report.when == "setup":
             result.outcome = "passed"
@@ -375,14 +369,21 @@ def run_conformance(
     pytest_args: Sequence[str] = (),
     console=None,
     thorough: bool = False,
+    jobs: Union[int, str] = 1,
 ) -> int:
     """Run the suite against ``backends`` (default: every available one); see the module
     docstring. ``device`` overrides every backend's device; ``pytest_args`` are passed on;
-    ``thorough`` adds every combination of the declared dtypes, head dims and page sizes.
-    With several backends, ``junitxml`` gets one file per backend (``PATH-<backend>.xml``)."""
+    ``thorough`` adds every combination of the declared dtypes, head dims and page sizes;
+    ``jobs`` (a number or ``"auto"``, :func:`worker_count`) spreads each backend's tests over
+    worker processes. With several backends, ``junitxml`` gets one file per backend
+    (``PATH-<backend>.xml``)."""
     from rich.text import Text
 
     console = console or _console()
+    try:
+        workers = worker_count(jobs)
+    except ValueError as exc:
+        return fail(f"conformance: {exc}")
     if device is not None:
         problem = _device_problem(device)
         if problem:
@@ -407,7 +408,7 @@ def run_conformance(
             str(CHECKS_DIR),
             "--attnplug-backend",
             name,
-            *pytest_plugin_args(),
+            *pytest_plugin_args(workers),
             "-q",
             "-p",
             "no:cacheprovider",

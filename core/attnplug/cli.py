@@ -6,7 +6,7 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
 
 * ``attnplug info [--json] [--markdown [PATH]]``: every registered backend (availability and reason, device,
   ``needs_cpu_seq_lens``, PDL, graph support) and every plugin load error.
-* ``attnplug conformance [--backend NAME ...] [--report PATH] [-k EXPR] [--junitxml PATH]``: the
+* ``attnplug conformance [--backend NAME ...] [--report PATH] [-k EXPR] [--junitxml PATH] [--jobs N]``: the
   conformance suite (``attnplug_conformance.runner``), a check x backend matrix, a JSON report.
 * ``attnplug bench [--backend NAME] [--device D] [--only NAME ...] [--quick] [--out DIR] [--json PATH]
   [--history PATH] [--budget-s S] [--isolate/--no-isolate] [--set NAME=VALUE]``: the benchmarks the backend's
@@ -269,6 +269,7 @@ def _run_conformance(args: argparse.Namespace) -> int:
         device=args.device,
         thorough=args.thorough,
         pytest_args=["--attnplug-quick"] if args.quick else [],
+        jobs=args.jobs,
     )
 
 
@@ -280,23 +281,15 @@ def _add_conformance(subparsers) -> None:
         "check x backend matrix and optionally write a JSON report. Default: every available "
         "backend. Exit code 1 when a check fails, 2 for an unknown or unavailable backend.",
     )
-    parser.add_argument(
-        "--backend",
-        action="append",
-        dest="backends",
-        metavar="NAME",
-        help="backend to test (registry name, or module:Class); repeatable",
-    )
+    backend_help = "backend to test (registry name, or module:Class); repeatable"
+    parser.add_argument("--backend", action="append", dest="backends", metavar="NAME", help=backend_help)
     parser.add_argument("--report", metavar="PATH", help="write the JSON report to PATH")
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help="only run checks matching EXPR (pytest -k)")
     parser.add_argument(
         "--junitxml", metavar="PATH", help="write JUnit XML to PATH (PATH-<backend>.xml per backend when several run)"
     )
-    parser.add_argument(
-        "--device",
-        metavar="DEVICE",
-        help="torch device for every backend under test (default: from its registry probe)",
-    )
+    device_help = "torch device for every backend under test (default: from its registry probe)"
+    parser.add_argument("--device", metavar="DEVICE", help=device_help)
     parser.add_argument(
         "--thorough",
         action="store_true",
@@ -308,6 +301,13 @@ def _add_conformance(subparsers) -> None:
         action="store_true",
         help="only the suite's first round and every declared shape once (a smoke pass in seconds; "
         "a backend passes conformance only with the whole suite)",
+    )
+    parser.add_argument(
+        "--jobs",
+        default="auto",
+        metavar="N",
+        help="worker processes sharing the tests, compiling side by side (pytest-xdist); 'auto' (default): "
+        "half the CPU cores, at most 4",
     )
     parser.set_defaults(func=_run_conformance)
 
