@@ -43,7 +43,8 @@ elif [ "$stage" = trust ]; then
     tests/cuda/test_cuda_kernels_store_attend.py tests/cuda/test_cuda_kernels_step_metadata.py \
     tests/cuda/test_cuda_replay_copy.py tests/cuda/test_cuda_softcap_sinks_interpreted.py \
     tests/cuda/test_cuda_csrc_build.py tests/cuda/test_cuda_one_launch_steps.py \
-    tests/cuda/test_allocator_never_waits.py tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py
+    tests/cuda/test_allocator_never_waits.py tests/core/test_memory_slot_rules.py tests/core/test_bad_input_batches.py \
+    tests/cuda/test_cuda_ops.py tests/ops
   run conformance 280 attnplug conformance --backend cuda --report "$out/conformance.json"
   run sanitize_warm 150 python3 benchmarks/sanitize_kernels.py  # compiles its kernels outside the sanitizer
   run memcheck 70 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py

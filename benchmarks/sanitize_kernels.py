@@ -7,8 +7,10 @@ with the first key block laid out before the wait, the own key folded as a vecto
 release at entry, their full layers in paired plans), and paged attention for extend and,
 with the one-launch path off (``CudaTuning(one_launch=False)``), for decode and verify
 storing the step in its own launch (split KV + combine; the PDL prologue and early release),
-on SWA and full layers, eager and in a captured graph. Public API only: the backend, its
-tuning and the conformance harness's world.
+on SWA and full layers, eager and in a captured graph; and the op layer engines call
+(``CudaBackend.paged_ops``: the strided store and paged attention over the K/V halves of an
+interleaved ``[blocks, 16, Hkv, 2 * D]`` cache, -1 padding, a split long request). Public API
+only: the backend, its tuning, its op layer and the conformance harness's world.
 Small on purpose: the sanitizer slows kernels by orders of magnitude. Run it once without the
 sanitizer first, so that Triton's cache holds its kernels: on a machine whose cache was empty,
 memcheck and racecheck had not reached a kernel after 150 seconds (most likely compiling under
@@ -50,6 +52,27 @@ def _steps(backend_cls) -> World:
     return world
 
 
+def _engine_ops(backend_cls) -> None:
+    """The op layer over a cache laid out as vLLM lays it out: store (with -1 padding), plan,
+    attend (a 700-key request splits the KV range; a window on the second call)."""
+    ops = backend_cls.paged_ops(torch.device("cuda"))
+    P, hkv, D, H = 16, 8, 128, 32
+    kv = torch.zeros(64, P, hkv, 2 * D, dtype=torch.bfloat16, device="cuda")
+    kc, vc = kv[..., :D], kv[..., D:]
+    seq = [700, 5]  # one new token of request 0, five of request 1
+    table = torch.zeros(2, 48, dtype=torch.int32, device="cuda")
+    table[0, :44] = torch.arange(1, 45, dtype=torch.int32)
+    table[1, 0] = 50
+    slots = [table[0, 699 // P].item() * P + 699 % P] + [50 * P + i for i in range(5)] + [-1, -1]
+    k = torch.randn(8, hkv, D, dtype=torch.bfloat16, device="cuda")
+    ops.store_kv(k, k, kc, vc, torch.tensor(slots, device="cuda"))
+    qsl = torch.tensor([0, 1, 6], dtype=torch.int32, device="cuda")
+    step = ops.plan(qsl, torch.tensor(seq, device="cuda"), table, P, num_tokens=6, max_query_len=5, max_seq_len=700)
+    q = torch.randn(6, H, D, dtype=torch.bfloat16, device="cuda")
+    ops.attend(q, kc, vc, step, scale=0.09)
+    ops.attend(q, kc, vc, step, scale=0.09, window=64)
+
+
 def main() -> int:
     from attnplug_cuda.backend import CudaBackend
     from attnplug_cuda.tuning import CudaTuning
@@ -57,6 +80,7 @@ def main() -> int:
     paged = dataclasses.replace(CudaTuning.from_env(), one_launch=False)  # decode / verify: paged_attention storing
     world = _steps(CudaBackend)
     _steps(functools.partial(CudaBackend, tuning=paged))
+    _engine_ops(CudaBackend)
     from attnplug_cuda.cpp_ext import cpp_ext_status, kv_store
 
     ok, reason = cpp_ext_status()

@@ -272,6 +272,7 @@ _CHECK_ORDER = {
     "check_replay_equals_eager": 7,
     "check_accepts_seq_lens_cpu_none": 8,
     "check_matches_transformers": 9,
+    "check_paged_ops": 9.5,
 }
 _FIRST_ROUND_CASES = {
     "EXTEND_no_prefix-gqa4-window_smaller",
@@ -288,6 +289,7 @@ _FIRST_ROUND_CASES = {
     "tiles-31_32_33",
     "long_context-float16",
     "softcap-modes",
+    "bs16-interleaved-window",
     "sinks-modes",
     "softcap_sinks-kv_split",
     "undeclared_refused",

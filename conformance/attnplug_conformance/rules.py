@@ -14,6 +14,7 @@ __all__ = [
     "CAPABILITIES",
     "FEATURES",
     "MODEL",
+    "OPS",
     "ALL_RULES",
 ]
 
@@ -27,6 +28,19 @@ SEQ_LENS_CPU_NONE = "contract (accepts seq_lens_cpu=None)"
 CAPABILITIES = "contract (capabilities are honest)"
 FEATURES = "contract (logit soft-cap and attention sinks)"
 MODEL = "contract (model logits match transformers)"
+OPS = "contract (the op layer over engine-owned caches)"
 
 #: every rule name above, for tools that check a message names one
-ALL_RULES = (RULE_1, RULE_2, RULE_3, ATTENTION, REPLAY, KV_SLOTS, SEQ_LENS_CPU_NONE, CAPABILITIES, FEATURES, MODEL)
+ALL_RULES = (
+    RULE_1,
+    RULE_2,
+    RULE_3,
+    ATTENTION,
+    REPLAY,
+    KV_SLOTS,
+    SEQ_LENS_CPU_NONE,
+    CAPABILITIES,
+    FEATURES,
+    MODEL,
+    OPS,
+)

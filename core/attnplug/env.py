@@ -22,6 +22,9 @@ variable                   reader                          meaning (default)
                                                            device tensors (a host sync) (off)
 ``ATTNPLUG_DISABLE_PDL``   ``pdl_disabled()``              launch without Programmatic Dependent
                                                            Launch, in every plugin (off)
+``ATTNPLUG_VLLM_SLOTS``    ``vllm_slots()``                comma-separated vLLM backend names
+                                                           attnplug also takes over, e.g.
+                                                           ``CPU_ATTN`` (``CUSTOM`` only)
 =========================  ==============================  =====================================
 
 Parsing: surrounding blanks are ignored and an empty value means unset. A switch accepts
@@ -104,6 +107,11 @@ PROBE_TIMEOUT = EnvFlag(
 )
 VALIDATE = EnvFlag("ATTNPLUG_VALIDATE", "also run the batch checks that read device tensors (a host sync)", "off")
 DISABLE_PDL = EnvFlag("ATTNPLUG_DISABLE_PDL", "launch kernels without Programmatic Dependent Launch", "off")
+VLLM_SLOTS = EnvFlag(
+    "ATTNPLUG_VLLM_SLOTS",
+    "comma-separated vLLM attention-backend names attnplug also takes over (e.g. CPU_ATTN, TRITON_ATTN)",
+    "CUSTOM only",
+)
 
 #: every declared variable, by name: this module's, then each loaded plugin's (``declare``)
 FLAGS: Dict[str, EnvFlag] = {}
@@ -120,7 +128,7 @@ def declare(*flags: EnvFlag) -> Tuple[EnvFlag, ...]:
     return flags
 
 
-declare(BACKEND, PLUGINS, PROBE_TIMEOUT, VALIDATE, DISABLE_PDL)
+declare(BACKEND, PLUGINS, PROBE_TIMEOUT, VALIDATE, DISABLE_PDL, VLLM_SLOTS)
 
 
 def switch(flag: EnvFlag) -> bool:
@@ -178,6 +186,18 @@ def probe_timeout() -> Optional[float]:
             raw, f"a positive number of seconds (default {DEFAULT_PROBE_TIMEOUT:g}; 'inf' for no limit)"
         )
     return None if math.isinf(value) else value
+
+
+def vllm_slots() -> Tuple[str, ...]:
+    """``ATTNPLUG_VLLM_SLOTS``: the vLLM backend names (upper case) attnplug registers itself
+    under besides ``CUSTOM``; empty when unset. A value that is not a list of identifiers raises."""
+    raw = VLLM_SLOTS.raw()
+    if raw is None:
+        return ()
+    names = tuple(part.strip().upper() for part in raw.split(",") if part.strip())
+    if not names or not all(n.replace("_", "").isalnum() for n in names):
+        raise VLLM_SLOTS.error(raw, "comma-separated vLLM backend names, e.g. CPU_ATTN or TRITON_ATTN,FLASH_ATTN")
+    return names
 
 
 def validation_enabled() -> bool:

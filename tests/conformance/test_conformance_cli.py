@@ -15,6 +15,7 @@ CHECKS = [
     "check_capabilities_honest",
     "check_kv_written_only_at_step_slots",
     "check_matches_transformers",
+    "check_paged_ops",
     "check_pdl_on_off_identical",
     "check_replay_equals_eager",
     "check_replay_metadata_sync_free",

@@ -18,11 +18,14 @@ A mutant's ``WITNESS`` says how it is shown to be wrong:
 * ``("mapping",)``: rewriting the full->SWA mapping after the metadata call changes its
   output (the layers read the mapping);
 * ``("dtype",)``: a half-precision step returns another dtype;
-* ``("no_save",)``: ``forward(save_kv_cache=False)`` changes the KV cache.
+* ``("no_save",)``: ``forward(save_kv_cache=False)`` changes the KV cache;
+* ``("ops",)``: the op layer (``paged_ops``) over an interleaved, paged cache an engine owns
+  stores or attends wrongly (float64 attention, the untouched slots).
 
 The submodules: ``kv_slots`` (rule 1, the KV slots and paging), ``precision`` (tiling,
 accumulation, head dims, split-KV, scaling, output dtype), ``masking`` (window, causal mask,
-GQA, batch rows, prefixes, the host mirror), ``softcap_sinks`` and ``sync`` (rule 2). A
+GQA, batch rows, prefixes, the host mirror), ``softcap_sinks``, ``sync`` (rule 2) and ``ops``
+(the op layer engines call). A
 mutant is named ``mutants:ClassName`` wherever a backend target is given.
 """
 
@@ -48,6 +51,7 @@ from .masking import (
     WindowPlusOne,
     WindowStartOffByOne,
 )
+from .ops import OpsBlockOffsetDropped, OpsDenseHeadStride, OpsStoreWrapsPadding, OpsWindowIgnored
 from .precision import (
     HalfPrecisionAccumulation,
     HeadDimTailUnmasked,
@@ -118,4 +122,8 @@ SUBTLE = [
     NarrowWithTensorInReplay,
     BincountInReplay,
     RepeatInterleaveInReplay,
+    OpsStoreWrapsPadding,
+    OpsBlockOffsetDropped,
+    OpsDenseHeadStride,
+    OpsWindowIgnored,
 ]

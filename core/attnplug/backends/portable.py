@@ -46,11 +46,10 @@ from ..backend import AttentionBackend, Capabilities, GraphSupport
 from ..batch import ForwardBatch, ForwardMode
 from ..env import validation_enabled
 from ..graph_buffers import GraphBuffers
+from ..ops.portable import NO_KEY as _NO_KEY
+from ..ops.portable import PortableOps, attend_gathered
 
 __all__ = ["PortableBackend"]
-
-#: key position given to a column with no slot: past every query, so every mask drops it
-_NO_KEY = 1 << 62
 
 
 def _in_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -136,6 +135,12 @@ class PortableBackend(AttentionBackend):
             logit_softcap=True,
             attention_sinks=True,
         )
+
+    @classmethod
+    def paged_ops(cls, device) -> PortableOps:
+        """The portable op layer (``attnplug.ops.PortableOps``): this class's attention math
+        over caches an engine owns, on ``device``."""
+        return PortableOps(device, name=cls.name, dtypes=cls.dtypes)
 
     @property
     def cuda_graph_swa_out_cache_loc(self) -> Optional[torch.Tensor]:
@@ -331,38 +336,19 @@ class PortableBackend(AttentionBackend):
 
     def _attend(self, q, keys, values, key_pos, window, md: _StepMetadata, *, sinks=None) -> torch.Tensor:
         """q [T, H, D]; keys/values [bs, K, Hkv, D]; key_pos [bs or 1, K] positions; sinks
-        None or float32 [H]. Logits ``scaling * q.k``, soft-capped by ``self.logit_softcap``
-        before the mask; a sink joins its head's denominator only."""
-        T, H, D = q.shape
-        bs, K, Hkv, _ = keys.shape
-        G, Q = H // Hkv, md.q_len_max
-        cdt = torch.promote_types(q.dtype, torch.float32)
-        qp = torch.zeros(bs, Q, H, D, dtype=cdt, device=q.device)
-        qp[md.token_req, md.token_idx] = q.to(cdt)
-        q_pos = md.q_start[:, None] + torch.arange(Q, device=q.device)  # [bs, Q]
-        kp, qq = key_pos[:, None, :], q_pos[:, :, None]
-        mask = kp <= qq  # causal
-        if md.seq_lens is not None:  # padded q rows sit past seq_len: keys past it stay unseen
-            mask = mask & (kp < md.seq_lens[:, None, None])
-        if window is not None:
-            mask = mask & (kp > qq - window)
-        # A column no query sees contributes exactly zero, whatever its slot holds (NaN, Inf).
-        seen = mask.any(1)[:, :, None, None]  # [bs, K, 1, 1]
-        keys = torch.where(seen, keys, 0)
-        values = torch.where(seen, values, 0)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", qp.view(bs, Q, Hkv, G, D), keys.to(cdt)) * self.scaling
-        if self.logit_softcap is not None:
-            scores = self.logit_softcap * torch.tanh(scores / self.logit_softcap)
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-        row_max = scores.amax(-1, keepdim=True)
-        sink = None
-        if sinks is not None:
-            sink = sinks.to(cdt).view(1, Hkv, G, 1, 1)
-            row_max = torch.maximum(row_max, sink)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        p = torch.exp(scores - row_max)
-        denom = p.sum(-1, keepdim=True)
-        if sink is not None:
-            denom = denom + torch.exp(sink - row_max)
-        out = torch.einsum("bhgqk,bkhd->bqhgd", p / denom.clamp_min(torch.finfo(cdt).tiny), values.to(cdt))
-        return out.reshape(bs, Q, H, D)[md.token_req, md.token_idx].to(q.dtype)
+        None or float32 [H]: the op layer's math (``attnplug.ops.attend_gathered``)."""
+        return attend_gathered(
+            q,
+            keys,
+            values,
+            key_pos,
+            q_start=md.q_start,
+            seq_lens=md.seq_lens,
+            token_req=md.token_req,
+            token_idx=md.token_idx,
+            q_len_max=md.q_len_max,
+            scaling=self.scaling,
+            window=window,
+            softcap=self.logit_softcap,
+            sinks=sinks,
+        )

@@ -118,6 +118,13 @@ class CudaBackend(AttentionBackend):
             self._table_rows.shape[0] * self.num_kv_heads, dtype=torch.int32, device=self.device
         )
 
+    @classmethod
+    def paged_ops(cls, device, tuning: Optional[CudaTuning] = None):
+        """The same kernels over caches an engine owns (``attnplug_cuda.ops.CudaOps``)."""
+        from .ops import CudaOps
+
+        return CudaOps(device, tuning)
+
     # ------------------------------------------------------------------ description
     @classmethod
     def declared_capabilities(cls) -> Capabilities:

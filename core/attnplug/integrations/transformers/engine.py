@@ -39,7 +39,7 @@ import torch
 
 from ...batch import ForwardBatch, ForwardMode
 from ...graphs import EagerGraph
-from .choice import BackendArg
+from ..choice import BackendArg
 from .progress import Progress
 from .runner import ModelRunner, _round_up, check_sizes, default_pool_sizes, live_window_slots
 from .spec import model_spec

@@ -24,8 +24,8 @@ import torch
 from ...batch import ForwardBatch, ForwardMode
 from ...graphs import GraphRunner
 from ...memory import ReqToTokenPool, SWAKVPool, SWATokenAllocator
+from ..choice import BackendArg, backend_class
 from .attention import IMPLEMENTATION, BoundStep, bind_step, register
-from .choice import BackendArg, backend_class
 from .errors import UnsupportedModelError
 from .modules import attention_modules
 from .spec import ModelSpec, model_spec
@@ -123,7 +123,7 @@ class ModelRunner:
         register()
         self.spec = model_spec(model.config)
         self.device, self.dtype = _model_device_dtype(model)
-        cls = backend_class(backend, self.device)
+        cls = backend_class(backend, self.device, UnsupportedModelError)
         caps = cls.installed_capabilities()
         if caps is None:
             raise UnsupportedModelError(f"backend {cls.name!r} declares no capabilities; cannot check it can run")

@@ -231,12 +231,16 @@ def check_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, inputs: AttentionInputs
 ) -> Tuple[int, int, int, int, int, int]:
     """The host checks of every attention launcher (shapes, dtypes, devices, layouts, the
-    scalar options); returns ``(T, H, D, Hkv, G, bs)``."""
+    scalar options); returns ``(T, H, D, Hkv, G, bs)``. The caches may be strided views (slot
+    and head strides free, the same for K and V); a launcher that needs them contiguous says so."""
     assert q.dim() == 3 and out.shape == q.shape, f"q {tuple(q.shape)} and out {tuple(out.shape)} must be [T, H, D]"
     T, H, D = q.shape
     assert k_cache.dim() == 3 and k_cache.shape[2] == D, f"k_cache must be [S, Hkv, {D}], got {tuple(k_cache.shape)}"
     assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous"
+    assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride(), (
+        f"k_cache and v_cache need a contiguous last dim and the same strides, got {k_cache.stride()} and "
+        f"{v_cache.stride()}"
+    )
     hkv = k_cache.shape[1]
     assert H % hkv == 0, f"{H} q heads are not a multiple of {hkv} kv heads"
     assert q.dtype in DTYPES, f"q dtype {q.dtype} is not one of {DTYPES}"

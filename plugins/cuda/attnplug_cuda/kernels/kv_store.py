@@ -11,8 +11,9 @@ tensor      shape / dtype                notes
 k, v        [T, Hkv, D] fp16/bf16/fp32   the cache's dtype; last dim contiguous and
                                          heads dense (``stride(1) == D``), token stride
                                          free (views of a fused qkv tensor are fine)
-k_cache,    [S, Hkv, D], same dtype      contiguous
-v_cache
+k_cache,    [S, Hkv, D], same dtype      last dim contiguous; slot and head strides
+v_cache                                  free, the same for both (contiguous caches
+                                         take the dense path: one row of Hkv * D)
 loc         [T] int32 or int64           cache slot of each token: the hoisted int32
                                          ``swa_out_cache_loc`` on SWA layers, the int64
                                          ``out_cache_loc`` on full layers
@@ -54,7 +55,11 @@ def _kv_store_kernel(
     num_slots,  # S: rows of the cache
     stride_kt,
     stride_vt,
-    HD: tl.constexpr,  # Hkv * D: one cache row
+    stride_cs,  # the cache's elements between two slots
+    stride_ch,  # the cache's elements between two kv heads of a slot
+    HD: tl.constexpr,  # Hkv * D: one token's row
+    HEAD_DIM: tl.constexpr,
+    DENSE: tl.constexpr,  # the cache's slots are rows of HD elements (stride_cs == HD, stride_ch == D)
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     PDL: tl.constexpr,  # pdl.Schedule, or None
@@ -65,15 +70,19 @@ def _kv_store_kernel(
     if (slot >= 1) & (slot < num_slots):  # the sink, -1 and garbage are skipped
         k_row = K + t * stride_kt
         v_row = V + t * stride_vt
-        kc_row = KCache + slot * HD
-        vc_row = VCache + slot * HD
+        kc_row = KCache + slot * stride_cs
+        vc_row = VCache + slot * stride_cs
         for c in tl.static_range(NUM_CHUNKS):
             offs = c * BLOCK + tl.arange(0, BLOCK)
             mask = offs < HD
+            if DENSE:
+                dst = offs
+            else:
+                dst = (offs // HEAD_DIM) * stride_ch + offs % HEAD_DIM
             k = tl.load(k_row + offs, mask=mask)
             v = tl.load(v_row + offs, mask=mask)
-            tl.store(kc_row + offs, k, mask=mask)
-            tl.store(vc_row + offs, v, mask=mask)
+            tl.store(kc_row + dst, k, mask=mask)
+            tl.store(vc_row + dst, v, mask=mask)
     pdl_release(PDL, "end")
 
 
@@ -102,7 +111,10 @@ def kv_store(
     assert k_cache.dim() == 3, f"k_cache must be [S, Hkv, D], got {tuple(k_cache.shape)}"
     _, hkv, d = k_cache.shape
     assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous"
+    assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride(), (
+        f"k_cache and v_cache need a contiguous last dim and the same strides, got {k_cache.stride()} and "
+        f"{v_cache.stride()}"
+    )
     _check_rows("k", k, hkv, d)
     _check_rows("v", v, hkv, d)
     T = k.shape[0]
@@ -133,7 +145,11 @@ def kv_store(
         k_cache.shape[0],
         k.stride(0),
         v.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
         HD=hd,
+        HEAD_DIM=d,
+        DENSE=k_cache.is_contiguous(),
         BLOCK=block,
         NUM_CHUNKS=num_chunks,
         PDL=schedule,

@@ -9,8 +9,9 @@ tensor        shape / dtype              meaning
 q, out        [T, H, D] fp16/bf16/fp32   rows ``cu_q_lens[b] .. cu_q_lens[b+1]`` belong to
                                          request ``b`` (every row belongs to a request);
                                          last dim contiguous, other strides free
-k_cache,      [S, Hkv, D], q's dtype     contiguous
-v_cache
+k_cache,      [S, Hkv, D], q's dtype     last dim contiguous; slot and head strides
+v_cache                                  free, the same for both (an engine's K/V
+                                         halves of one interleaved cache are fine)
 cu_q_lens     [bs + 1] int32             exclusive prefix sum of the new tokens per request
 seq_lens      [bs] int32/int64           KV length of each request INCLUDING its new tokens
 keys          ``common.KeyTable``        where each request's keys are
@@ -152,6 +153,8 @@ def _paged_attention_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
+    kv_stride,  # elements between two slots of the cache
+    kv_head_stride,  # elements between two kv heads of a slot
     num_slots,  # S: rows of the cache
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -210,7 +213,6 @@ def _paged_attention_kernel(
         s_hi = kv_hi
 
     t_row = table_row(keys, t_idx)
-    kv_stride = num_kv_heads * HEAD_DIM
     if PDL is not None:
         if PDL.wait == "prologue" and PLAN.PREFETCH > 0:
             # The cached K/V rows of the first PREFETCH key blocks do not depend on the
@@ -223,7 +225,7 @@ def _paged_attention_kernel(
                     t_row, s_lo + i * BLOCK_N, s_hi, t_start, keys.width, num_slots, BLOCK_N, True
                 )
                 pf_ok = pf_key[:, None] & line_ok[None, :]
-                pf_row = pf_slot.to(tl.int64)[:, None] * kv_stride + hk * HEAD_DIM + offs_line[None, :]
+                pf_row = pf_slot.to(tl.int64)[:, None] * kv_stride + hk * kv_head_stride + offs_line[None, :]
                 pf_off = tl.where(pf_ok, pf_row, 0)
                 _prefetch_l2(K + pf_off)
                 _prefetch_l2(V + pf_off)
@@ -233,7 +235,7 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
 
-    kv_col = hk * HEAD_DIM + offs_d
+    kv_col = hk * kv_head_stride + offs_d  # in the cache
     if New is not None:
         # Every program of the group stores kv head hk of the request's new rows (the tile
         # holds all of them: one row block; the first head of each token is its row), then
@@ -244,8 +246,9 @@ def _paged_attention_kernel(
         # the new rows' loads do not wait for their slots: both round trips overlap
         ld_mask = first[:, None] & d_valid[None, :]
         st_mask = ld_mask & ((slot_new >= 1) & (slot_new < num_slots))[:, None]
-        kn = tl.load(New.k + q_rows[:, None] * New.stride_k + kv_col[None, :], mask=ld_mask)
-        vn = tl.load(New.v + q_rows[:, None] * New.stride_v + kv_col[None, :], mask=ld_mask)
+        new_col = hk * HEAD_DIM + offs_d  # in the new rows (dense heads)
+        kn = tl.load(New.k + q_rows[:, None] * New.stride_k + new_col[None, :], mask=ld_mask)
+        vn = tl.load(New.v + q_rows[:, None] * New.stride_v + new_col[None, :], mask=ld_mask)
         dst = slot_new[:, None] * kv_stride + kv_col[None, :]
         tl.store(K + dst, kn, mask=st_mask)
         tl.store(V + dst, vn, mask=st_mask)
@@ -418,6 +421,8 @@ def paged_attention(
         q.stride(1),
         out.stride(0),
         out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
         k_cache.shape[0],
         G=G,
         HEAD_DIM=D,

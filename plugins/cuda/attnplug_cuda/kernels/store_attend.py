@@ -430,6 +430,7 @@ def store_attend(
     previous kernel did not write the step's metadata or its first key block's cached K/V.
     """
     T, H, D, hkv, G, bs = check_attention_args(q, k_cache, v_cache, out, inputs)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous"
     max_q_len = inputs.max_q_len
     device = q.device
     rows = max(1, max_q_len) * G

@@ -1,4 +1,5 @@
-"""Which backend class runs a model: a class, a registry name, or the default.
+"""Which backend class runs a model in an engine integration (transformers, vLLM, SGLang): a
+class, a registry name, or the default — the same rules in every integration.
 
 ``backend=None`` takes the registry's default (``ATTNPLUG_BACKEND``, else the
 highest-priority available backend: ``attnplug.registry``); when that backend serves another
@@ -14,11 +15,15 @@ from typing import Type, Union
 
 import torch
 
-from ...backend import AttentionBackend
-from ...selection import SelectionError, resolve_backend
-from .errors import UnsupportedModelError
+from ..backend import AttentionBackend
+from ..selection import SelectionError, resolve_backend
 
-__all__ = ["backend_class"]
+__all__ = ["BackendArg", "BackendChoiceError", "backend_class"]
+
+
+class BackendChoiceError(ValueError):
+    """No backend can run the model as asked; the message says why and what to do."""
+
 
 BackendArg = Union[None, str, Type[AttentionBackend]]
 
@@ -31,8 +36,8 @@ def _serves(cls: Type[AttentionBackend], device: torch.device) -> bool:
     return _device_type(cls) in ("any", device.type)
 
 
-def _default_for(device: torch.device) -> Type[AttentionBackend]:
-    from ... import registry as reg
+def _default_for(device: torch.device, error) -> Type[AttentionBackend]:
+    from .. import registry as reg
 
     registry = reg.get_registry()
     _name, cls = registry.select()
@@ -43,30 +48,31 @@ def _default_for(device: torch.device) -> Type[AttentionBackend]:
         candidate = registry.get_backend(info.name)
         if _serves(candidate, device):
             return candidate
-    raise UnsupportedModelError(
+    raise error(
         f"the default backend {cls.name!r} runs on {_device_type(cls)} and no available backend runs on "
         f"{device.type}, the model's device: move the model (model.to(...)) or name a backend"
     )
 
 
-def backend_class(backend: BackendArg, device: torch.device) -> Type[AttentionBackend]:
-    """The backend class for a model on ``device``; raises ``UnsupportedModelError`` naming the
-    reason (unknown or unavailable name, a class that is not a backend, another device)."""
+def backend_class(
+    backend: BackendArg, device: torch.device, error: Type[Exception] = BackendChoiceError
+) -> Type[AttentionBackend]:
+    """The backend class for a model on ``device``; raises ``error`` (an integration's own
+    error class) naming the reason (unknown or unavailable name, a class that is not a backend,
+    another device)."""
     if backend is None:
-        cls = _default_for(device)
+        cls = _default_for(device, error)
     elif isinstance(backend, str):
         try:
             cls = resolve_backend(backend, device).cls
         except SelectionError as exc:
-            raise UnsupportedModelError(f"backend {backend!r}: {exc}") from exc
+            raise error(f"backend {backend!r}: {exc}") from exc
     elif isinstance(backend, type) and issubclass(backend, AttentionBackend) and not inspect.isabstract(backend):
         cls = backend
     else:
-        raise UnsupportedModelError(
-            f"backend must be None, a registry name or a concrete AttentionBackend subclass, got {backend!r}"
-        )
+        raise error(f"backend must be None, a registry name or a concrete AttentionBackend subclass, got {backend!r}")
     if not _serves(cls, device):
-        raise UnsupportedModelError(
+        raise error(
             f"backend {cls.name!r} runs on {_device_type(cls)}, the model is on {device}: move the model "
             "(model.to(...)) or choose another backend"
         )
