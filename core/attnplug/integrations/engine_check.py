@@ -10,19 +10,25 @@ seeded token ids of lengths that straddle a window of 8 and a chunk budget of 16
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = [
     "EngineModel",
     "ENGINE_MODELS",
+    "MAX_NEW_TOKENS",
+    "MAX_MODEL_LEN",
+    "CHUNK_BUDGET",
+    "MODES",
     "prompts",
     "save_model",
     "transformers_tokens",
@@ -31,6 +37,10 @@ __all__ = [
     "table",
     "spawn_child",
     "collect_child",
+    "add_common_arguments",
+    "run_as_child",
+    "model_names",
+    "prepare_models",
 ]
 
 
@@ -63,6 +73,12 @@ ENGINE_MODELS: Dict[str, EngineModel] = {
 
 #: prompt lengths: shorter and longer than the window (8) and the chunk budget (16)
 PROMPT_LENGTHS = (5, 17, 40, 70)
+#: what every engine run of a check uses: greedy tokens a prompt, the context, the chunk budget
+#: of the chunked mode, and the modes (whole prompts in one step; chunked prefill)
+MAX_NEW_TOKENS = 12
+MAX_MODEL_LEN = 256
+CHUNK_BUDGET = 16
+MODES = ("eager", "chunked")
 
 
 def prompts(seed: int = 1, lengths: Sequence[int] = PROMPT_LENGTHS, vocab: int = 256) -> List[List[int]]:
@@ -184,3 +200,52 @@ def collect_child(started) -> Dict[str, Any]:
     print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     with open(out_path) as f:
         return json.load(f)
+
+
+# ---------------------------------------------------------------------------- the commands' common parts
+def add_common_arguments(parser: argparse.ArgumentParser, default_models: Sequence[str]) -> None:
+    """``--models``, ``--work``, ``--min-agreement``, ``--json`` and the hidden ``--child``."""
+    parser.add_argument(
+        "--models",
+        default=",".join(default_models),
+        metavar="NAMES",
+        help=f"comma-separated tiny models (default: {', '.join(default_models)}; known: {', '.join(ENGINE_MODELS)})",
+    )
+    parser.add_argument("--work", metavar="DIR", help="where the tiny models are saved (default: a temporary folder)")
+    parser.add_argument("--min-agreement", type=float, default=0.95, metavar="F", help="half precision only")
+    parser.add_argument("--json", metavar="PATH", help="write the runs' tokens and counts as JSON")
+    parser.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+
+
+def run_as_child(args: argparse.Namespace, run_child: Callable[[Dict[str, Any]], Dict[str, Any]]) -> bool:
+    """When the command runs as a child (``--child SPEC OUT``): run ``run_child`` on the spec,
+    write its result, return True."""
+    if not args.child:
+        return False
+    with open(args.child[0]) as f:
+        spec = json.load(f)
+    result = run_child(spec)
+    with open(args.child[1], "w") as f:
+        json.dump(result, f)
+    return True
+
+
+def model_names(text: str) -> List[str]:
+    """The ``--models`` list; ``ValueError`` naming an unknown one."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENGINE_MODELS]
+    if unknown or not names:
+        raise ValueError(f"--models: unknown {unknown or names} (known: {', '.join(ENGINE_MODELS)})")
+    return names
+
+
+def prepare_models(
+    names: Sequence[str], work: Optional[str], engine: str
+) -> Tuple[str, List[List[int]], Dict[str, str], Dict[str, List[List[int]]]]:
+    """The work folder, the prompts, each model saved (its folder) and transformers' tokens."""
+    work = work or tempfile.mkdtemp(prefix=f"attnplug-{engine}-")
+    os.makedirs(work, exist_ok=True)
+    token_prompts = prompts()
+    paths = {n: save_model(ENGINE_MODELS[n], work) for n in names}
+    reference = {n: transformers_tokens(paths[n], token_prompts, MAX_NEW_TOKENS) for n in names}
+    return work, token_prompts, paths, reference

@@ -9,11 +9,12 @@ backends.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
-from .base import PagedOps, PagedStep
+from .base import PagedOps
 
 __all__ = ["PortableOps", "attend_gathered", "NO_KEY"]
 
@@ -109,17 +110,7 @@ class PortableOps(PagedOps):
         tok = torch.arange(step.num_tokens, device=dev)
         token_req = torch.searchsorted(starts[1:], tok, right=True).clamp_max(max(B - 1, 0))
         token_idx = tok - starts[:-1][token_req]
-        return PagedStep(
-            query_start_loc=step.query_start_loc,
-            seq_lens=step.seq_lens,
-            slot_table=step.slot_table,
-            num_tokens=step.num_tokens,
-            max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len,
-            token_req=token_req,
-            token_idx=token_idx,
-            q_start=seq_lens.long() - q_lens,
-        )
+        return dataclasses.replace(step, token_req=token_req, token_idx=token_idx, q_start=seq_lens.long() - q_lens)
 
     def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         kc, vc, n = self.check_store(key, value, key_cache, value_cache, slot_mapping)

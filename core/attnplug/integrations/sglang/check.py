@@ -20,28 +20,28 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import Any, Dict, List
 
 from ...cli_errors import fail
 from ..engine_check import (
+    CHUNK_BUDGET,
     ENGINE_MODELS,
+    MAX_MODEL_LEN,
+    MAX_NEW_TOKENS,
+    MODES,
     Row,
+    add_common_arguments,
     check_row,
     collect_child,
-    prompts,
-    save_model,
+    model_names,
+    prepare_models,
+    run_as_child,
     spawn_child,
     table,
-    transformers_tokens,
 )
 
 __all__ = ["add_arguments", "run_command"]
 
-MAX_NEW_TOKENS = 12
-MAX_MODEL_LEN = 256
-CHUNK_BUDGET = 16
-MODES = ("eager", "chunked")
 #: the tiny models SGLang 0.5.23's engine runs with another backend than its own list (docs/engines.md:
 #: its Gemma2 reads a config field transformers 5 dropped, its gpt-oss hook accepts only its listed
 #: backends, its Mistral runs without the sliding window)
@@ -53,18 +53,9 @@ _FEATURE = "attnplug: first layer with "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--models",
-        default=",".join(DEFAULT_MODELS),
-        metavar="NAMES",
-        help=f"comma-separated tiny models (default: {', '.join(DEFAULT_MODELS)}; known: {', '.join(ENGINE_MODELS)})",
-    )
+    add_common_arguments(parser, DEFAULT_MODELS)
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="SGLang's device (default: cpu)")
     parser.add_argument("--compare", default="torch_native", metavar="NAME", help="SGLang's own backend to show")
-    parser.add_argument("--work", metavar="DIR", help="where the tiny models are saved (default: a temporary folder)")
-    parser.add_argument("--min-agreement", type=float, default=0.95, metavar="F", help="half precision only")
-    parser.add_argument("--json", metavar="PATH", help="write the rows (tokens, log counts) as JSON")
-    parser.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
 
 
 def _run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -111,28 +102,20 @@ def _log_counts(work: str, name: str) -> Dict[str, int]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.child:
-        with open(args.child[0]) as f:
-            spec = json.load(f)
-        with open(args.child[1], "w") as f:
-            json.dump(_run_child(spec), f)
+    if run_as_child(args, _run_child):
         return 0
     try:
         import sglang
     except ImportError:
         return fail("sglang-check needs SGLang: pip install 'attnplug[sglang]'")
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ENGINE_MODELS]
-    if unknown or not names:
-        return fail(f"--models: unknown {unknown or names} (known: {', '.join(ENGINE_MODELS)})")
+    try:
+        names = model_names(args.models)
+    except ValueError as exc:
+        return fail(str(exc))
     host = args.device == "cpu"
     dtype = "float32" if host else "bfloat16"
-    work = args.work or tempfile.mkdtemp(prefix="attnplug-sglang-")
-    os.makedirs(work, exist_ok=True)
     print(f"sglang-check: SGLang {sglang.__version__} on {args.device}: attnplug vs transformers", file=sys.stderr)
-    token_prompts = prompts()
-    paths = {n: save_model(ENGINE_MODELS[n], work) for n in names}
-    reference = {n: transformers_tokens(paths[n], token_prompts, MAX_NEW_TOKENS) for n in names}
+    work, token_prompts, paths, reference = prepare_models(names, args.work, "sglang")
     rows: List[Row] = []
     base = dict(prompts=token_prompts, device=args.device, dtype=dtype)
     try:

