@@ -73,7 +73,10 @@ def _run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
             skip_tokenizer_init=True,
             dtype=spec["dtype"],
             disable_cuda_graph=host,
-            mem_fraction_static=0.05 if host else 0.3,
+            # SGLang checks the fraction against the memory free after loading (which the other
+            # engine, side by side on the host, also uses); the pool itself is capped below
+            mem_fraction_static=0.5 if host else 0.3,
+            max_total_tokens=4096,
             context_length=MAX_MODEL_LEN,
             chunked_prefill_size=CHUNK_BUDGET if chunked else MAX_MODEL_LEN,
             random_seed=0,
