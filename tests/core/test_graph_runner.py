@@ -1,6 +1,7 @@
 """Graph runner over the reference backend with the eager stand-in graph (CPU)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -272,3 +273,26 @@ def test_speculative_modes_without_num_draft_tokens_are_refused():
             inputs=world.input_shapes(),
             modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY],
         )
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda x: x[:1], "the captured buffer takes [>= 2"),  # fewer rows than tokens: broadcast before
+        (lambda x: x[:, None], "the captured buffer takes"),  # an extra dimension
+        (lambda x: x.double(), "torch.float64 on cpu; the captured buffer is torch.float32"),  # cast before
+        (lambda x: None, "must be a tensor"),
+    ],
+)
+def test_replay_refuses_inputs_the_captured_buffers_cannot_take(change, needle):
+    """Trust II: an input that does not fit the captured buffers is refused, naming it, before
+    anything is copied (it was broadcast or cast silently)."""
+    world, reqs = _prefilled(2)
+    runner = world.graph_runner(max_bs=2, bucket_sizes=[2], modes=[ForwardMode.DECODE])
+    step = world.plan(ForwardMode.DECODE, reqs)
+    inputs = dict(step.inputs)
+    inputs["q"] = change(inputs["q"])
+    before = runner.inputs["q"].clone()
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        runner.run(step.batch, inputs)
+    assert torch.equal(runner.inputs["q"], before)

@@ -197,11 +197,25 @@ def test_bad_free_raises_and_changes_nothing(locs, needle):
 def test_paged_free_releases_each_page_once():
     _, alloc = make(4)
     loc = alloc.alloc(8)  # pages 1, 2
-    alloc.free([5, 6, 9])  # two slots of page 1, one of page 2: both pages, once each
+    alloc.free(loc.tolist()[::-1])  # every slot of both pages, in any order: each page once
     assert (alloc.full_available_size(), alloc.swa_available_size()) == (64, 32)
     alloc.check_invariants()
     with pytest.raises(KVSlotError, match="not allocated"):
         alloc.free(loc[:1])
+
+
+def test_paged_free_never_releases_a_slot_still_held():
+    """Trust II: freeing two slots of a page gave the whole page back while its other slots
+    were still held (the next request overwrote them; the later free said "double free")."""
+    _, alloc = make(4)
+    alloc.alloc(8)  # pages 1, 2: slots 4..11
+    before = snapshot(alloc)
+    with pytest.raises(KVSlotError, match=r"page 1, whose slots \[4, 7\] are still handed out"):
+        alloc.free([5, 6, 8, 9, 10, 11])
+    assert_unchanged(alloc, before)
+    alloc.free([4, 5, 6, 7])
+    assert alloc.full_available_size() == 64 - 4
+    alloc.check_invariants()
 
 
 def test_paged_free_swa_releases_whole_pages_once():

@@ -56,6 +56,7 @@ import torch
 
 from ..backend import AttentionBackend, decide_needs_cpu_seq_lens
 from ..batch import ForwardBatch, ForwardMode
+from ..memory.args import host_int
 from . import collector
 from .buckets import (
     GraphKey,
@@ -98,8 +99,11 @@ class GraphRunner(StaticBuffers):
         bucket_sizes: Optional[Sequence[int]] = None,
         modes: Optional[Sequence[ForwardMode]] = None,
     ) -> None:
-        if max_bs < 1:
-            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        max_bs = host_int(max_bs, "max_bs", lo=1, error=ValueError)
+        if num_draft_tokens is not None:
+            num_draft_tokens = host_int(num_draft_tokens, "num_draft_tokens", lo=1, error=ValueError)
+        if bucket_sizes is not None:
+            bucket_sizes = [host_int(b, "bucket_sizes entry", lo=1, error=ValueError) for b in bucket_sizes]
         self.backend = backend
         self.step = step
         self.num_draft_tokens = num_draft_tokens
@@ -337,6 +341,7 @@ class GraphRunner(StaticBuffers):
             return False
         static = captured.batch
         n = batch.num_tokens
+        self._check_inputs(inputs, n)
         if self.backend_copies_batch:
             self._copy_inputs(inputs, n)
         else:

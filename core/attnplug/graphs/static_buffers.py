@@ -89,6 +89,26 @@ class StaticBuffers:
             self._dirty_positions = n
         self._pad_tokens(n, with_out_cache_loc=True)
 
+    def _check_inputs(self, inputs: Mapping[str, torch.Tensor], n: int) -> None:
+        """Refuse, naming the input, what the captured buffers cannot take as it is: a missing
+        input, another dtype or device, other per-token dims, fewer than ``n`` rows (a copy
+        would broadcast, cast or read past them). Host metadata only (no device read)."""
+        for name in self._input_names:
+            static = self.inputs[name]
+            x = inputs.get(name) if isinstance(inputs, Mapping) else None
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"inputs[{name!r}] must be a tensor [>= {n}, *{tuple(static.shape[1:])}], got {x!r}")
+            if x.dim() != static.dim() or x.shape[1:] != static.shape[1:] or x.shape[0] < n:
+                raise ValueError(
+                    f"inputs[{name!r}] is {tuple(x.shape)}; the captured buffer takes "
+                    f"[>= {n}, {', '.join(map(str, static.shape[1:]))}] (the step's {n} tokens)"
+                )
+            if x.dtype != static.dtype or x.device != static.device:
+                raise ValueError(
+                    f"inputs[{name!r}] is {x.dtype} on {x.device}; the captured buffer is {static.dtype} on "
+                    f"{static.device} (never cast or moved silently)"
+                )
+
     def _copy_inputs(self, inputs: Mapping[str, torch.Tensor], n: int) -> None:
         """The model inputs only (the backend copies the batch itself)."""
         if not self._input_names:

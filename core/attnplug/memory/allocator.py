@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .args import HostInts
+from .args import HostInts, host_int
 from .args import first as _first
 from .args import host_ints as _host_int64
 from .errors import KVSlotError
@@ -69,10 +69,9 @@ class SWATokenAllocator(WindowEviction):
         All-or-nothing: raises ``OutOfKVSlots`` with both pools' free counts, changing
         nothing, when either pool is short.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % self.page_size:
-            raise KVSlotError(
-                f"alloc(n) needs an int n >= 0 that is a multiple of page_size={self.page_size}, got {n!r}"
-            )
+        n = host_int(n, "alloc(n)", lo=0)  # numpy and torch integer scalars are ints; bools are not
+        if n % self.page_size:
+            raise KVSlotError(f"alloc(n) needs a multiple of page_size={self.page_size}, got {n}")
         pages = self._take_pages(n // self.page_size)
         return self._page_slots(pages).to(self.device)
 
@@ -152,8 +151,26 @@ class SWATokenAllocator(WindowEviction):
         is copied to the host) and their SWA slots where still live. With ``page_size > 1``
         the distinct pages they lie in are freed, each once. Raises ``KVSlotError`` (nothing
         changed) for -1, slot 0 / page 0, out-of-range or repeated slots, non-integer values
-        (floats, bools), or slots whose page is not allocated (double free)."""
-        pages, _slots = self._allocated_pages_of(full_locs, "free")
+        (floats, bools), slots whose page is not allocated (double free), and slots that
+        leave others of their page handed out: a page is freed whole, so freeing part of it
+        would release slots still in use (``rollback`` gives back a page's last slots)."""
+        pages, slots = self._allocated_pages_of(full_locs, "free")
+        ps = self.page_size
+        if ps > 1:
+            page_of, offset = slots // ps, slots % ps
+            count = torch.zeros_like(self.page_fill).index_add_(0, page_of, torch.ones_like(slots))[pages]
+            highest = torch.full_like(self.page_fill, -1).scatter_reduce_(0, page_of, offset, reduce="amax")[pages]
+            fill = self.page_fill[pages]
+            partial = (count != fill) | (highest >= fill)
+            if bool(partial.any()):
+                p = int(pages[partial][0])
+                given = sorted(int(x) for x in slots[page_of == p])
+                held = [p * ps + i for i in range(int(self.page_fill[p])) if p * ps + i not in given]
+                raise KVSlotError(
+                    f"free: slots {given} are part of page {p}, whose slots {held} are still handed out (or the "
+                    f"slots are past its {int(self.page_fill[p])} handed-out ones): free a page's slots together; "
+                    "rollback gives back its last ones"
+                )
         self._release_full_pages(pages)
 
     def rollback(self, full_locs: HostInts) -> None:

@@ -85,14 +85,20 @@ class SWAKVPool:
                 ("head_dim", head_dim),
             )
         )
+        size, size_swa = (host_int(v, name, error=ValueError) for name, v in (("size", size), ("size_swa", size_swa)))
         for name, value in (("size", size), ("size_swa", size_swa)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % page_size:
+            if value < 1 or value % page_size:
                 raise ValueError(f"{name} must be a positive multiple of page_size={page_size}, got {value!r}")
         swa_layer_ids = list(swa_layer_ids)
-        bad = [i for i in swa_layer_ids if isinstance(i, bool) or not (isinstance(i, int) and 0 <= i < num_layers)]
-        if bad:
-            raise ValueError(f"swa_layer_ids {bad} are not layer ids (ints in [0, {num_layers}))")
-        swa_layer_ids = frozenset(swa_layer_ids)
+        ok = []
+        for i in swa_layer_ids:
+            try:
+                ok.append(host_int(i, "swa_layer_ids entry", lo=0, hi=num_layers - 1, error=ValueError))
+            except ValueError:
+                raise ValueError(
+                    f"swa_layer_ids {swa_layer_ids} are not layer ids (ints in [0, {num_layers}))"
+                ) from None
+        swa_layer_ids = frozenset(ok)
         if dtype not in KV_DTYPES:
             raise ValueError(f"dtype must be one of {[str(d) for d in KV_DTYPES]} (a floating KV dtype), got {dtype!r}")
 

@@ -7,6 +7,7 @@ reused many times. Every field has a command-line option (``attnplug soak --help
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
 
@@ -110,6 +111,12 @@ class SoakConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        tol = self.tolerance
+        if tol is not None and (
+            isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol <= 0
+        ):
+            # inf or NaN would pass every error, NaN outputs included: a soak that cannot fail
+            raise ValueError(f"tolerance must be a finite number > 0 (or None: the dtype's), got {tol!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.max_prompt + 2 * self.draft_tokens + 2 > self.max_context:

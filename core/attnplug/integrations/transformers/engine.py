@@ -30,6 +30,7 @@ the pools (also when a step raises).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ import torch
 
 from ...batch import ForwardBatch, ForwardMode
 from ...graphs import EagerGraph
+from ...memory.args import host_int
 from ..choice import BackendArg
 from .progress import Progress
 from .runner import ModelRunner, _round_up, check_sizes, default_pool_sizes, live_window_slots
@@ -99,11 +101,17 @@ class _Pending:
 def _eos_set(eos_token_id) -> frozenset:
     if eos_token_id is None:
         return frozenset()
-    values = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
-    if bad:
-        raise ValueError(f"eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}")
-    return frozenset(values)
+    single = not isinstance(eos_token_id, (list, tuple, set, frozenset, torch.Tensor))
+    values = [eos_token_id] if single else list(eos_token_id)
+    return frozenset(_token(v, "eos_token_id") for v in values)
+
+
+def _token(value, where: str) -> int:
+    """A token id: an int or an integer scalar (numpy, torch); a bool, float or string is
+    refused naming ``where`` (never truncated: 5.7 is not token 5)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
+        value = value.item() if value.dtype != torch.bool else value
+    return host_int(value, where, error=ValueError)
 
 
 class Engine:
@@ -168,6 +176,7 @@ class Engine:
         )
         self.max_prefill_tokens = max_prefill_tokens
         self.progress = progress
+        self._busy = threading.Lock()  # held by the one generate call running
         self.graphs = None
         if self._use_graphs(cuda_graphs):
             self.graphs = self.runner.enable_graphs(modes=(ForwardMode.DECODE,))
@@ -198,9 +207,20 @@ class Engine:
         ``max_new_tokens`` each, ending at the first EOS token (kept) when ``eos_token_id``
         (an int or a list) is given. Raises ``ValueError`` naming the prompt for an empty
         prompt, a token outside the vocabulary, or a request longer than ``max_context_len``
-        or than the pools can ever hold."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        or than the pools can ever hold; ``RuntimeError`` when another thread's ``generate`` is
+        running on this engine (one call at a time: they share the pools and the graphs)."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "Engine.generate is already running on this engine (another thread): one engine serves one "
+                "generate call at a time; use one engine a thread or wait for the call"
+            )
+        try:
+            return self._generate(prompts, max_new_tokens, eos_token_id)
+        finally:
+            self._busy.release()
+
+    def _generate(self, prompts, max_new_tokens, eos_token_id) -> List[List[int]]:
+        max_new_tokens = host_int(max_new_tokens, "max_new_tokens", lo=0, error=ValueError)
         self._eos = _eos_set(eos_token_id)
         reqs = [self._request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         waiting = deque(r for r in reqs if r.max_new > 0)
@@ -263,7 +283,12 @@ class Engine:
     # ------------------------------------------------------------------ admission
     def _request(self, index: int, prompt: Sequence[int], max_new: int) -> _Request:
         runner = self.runner
-        tokens = [int(t) for t in prompt] if not isinstance(prompt, torch.Tensor) else prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            raise ValueError(f"prompts[{index}] must be a sequence of token ids, got {type(prompt).__name__}")
+        if isinstance(prompt, torch.Tensor) and (prompt.dtype.is_floating_point or prompt.dtype == torch.bool):
+            raise ValueError(f"prompts[{index}] must hold integer token ids, got a {prompt.dtype} tensor")
+        items = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        tokens = [_token(t, f"prompts[{index}][{i}]") for i, t in enumerate(items)]
         if not tokens:
             raise ValueError(f"prompts[{index}] is empty (a prompt needs at least one token)")
         bad = [t for t in tokens if not 0 <= t < runner.vocab_size]
