@@ -103,7 +103,10 @@ def _eos_set(eos_token_id) -> frozenset:
         return frozenset()
     single = not isinstance(eos_token_id, (list, tuple, set, frozenset, torch.Tensor))
     values = [eos_token_id] if single else list(eos_token_id)
-    return frozenset(_token(v, "eos_token_id") for v in values)
+    try:
+        return frozenset(_token(v, "eos_token_id") for v in values)
+    except ValueError:
+        raise ValueError(f"eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}") from None
 
 
 def _token(value, where: str) -> int:
