@@ -295,13 +295,14 @@ def _add_conformance(subparsers) -> None:
     )
     device_help = "torch device for every backend under test (default: from its registry probe)"
     parser.add_argument("--device", metavar="DEVICE", help=device_help)
-    parser.add_argument(
+    profile = parser.add_mutually_exclusive_group()  # quick and thorough contradict: never one silently
+    profile.add_argument(
         "--thorough",
         action="store_true",
         help="also run every combination of the declared dtypes, head dims and page sizes "
         "(slower; the default runs each declared value)",
     )
-    parser.add_argument(
+    profile.add_argument(
         "--quick",
         action="store_true",
         help="only the suite's first round and every declared shape once (a smoke pass in seconds; "

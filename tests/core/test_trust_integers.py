@@ -164,3 +164,26 @@ def test_a_second_thread_is_refused_while_generate_runs(engine):
         del engine._admit
     assert result["tokens"] == want
     assert engine.generate([[5, 6, 7]], 4) == want  # the engine serves again
+
+
+def test_plugins_allow_list_naming_no_plugin_says_so(monkeypatch):
+    """Trust II: ATTNPLUG_PLUGINS=nosuch listed every plugin as disabled and named nothing wrong."""
+    from attnplug.registry import load_registry
+
+    monkeypatch.setenv("ATTNPLUG_PLUGINS", "reference,nosuch")
+    registry = load_registry()
+    unknown = [e for e in registry.load_errors() if e.kind == "unknown"]
+    assert [e.plugin for e in unknown] == ["nosuch"]
+    assert "ATTNPLUG_PLUGINS names 'nosuch', which no installed plugin is called" in unknown[0].reason
+    assert "reference" in unknown[0].reason
+    assert "reference" in registry.names()
+
+
+def test_conformance_quick_and_thorough_together_are_refused(capsys):
+    """Trust II: --quick --thorough silently ran the quick profile."""
+    from attnplug.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["conformance", "--backend", "reference", "--quick", "--thorough"])
+    assert info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -174,6 +174,19 @@ def load_plugins(
         _Source.from_object(p) for p in extra_plugins
     ]
 
+    if allow_list is not None:
+        known = {source.name for source in sources}
+        for name in allow_list:
+            if name not in known:
+                errors.append(
+                    PluginError(
+                        plugin=name,
+                        entry_point="-",
+                        kind="unknown",
+                        reason=f"{env.PLUGINS.name} names {name!r}, which no installed plugin is called "
+                        f"(installed: {', '.join(sorted(known)) or 'none'})",
+                    )
+                )
     loaded: List[Tuple[str, _Source, Any]] = []  # (pluggy name, source, plugin object)
     taken_pm_names: set = set()
     for source in sources:

@@ -70,6 +70,8 @@ class PluginError:
     ``kind`` is one of:
 
     * ``"disabled"``: not loaded, because ``ATTNPLUG_PLUGINS`` does not name it;
+    * ``"unknown"``: ``ATTNPLUG_PLUGINS`` names a plugin no installed distribution provides
+      (``plugin`` is the name given; the reason lists the installed ones);
     * ``"import"``: importing the entry point raised;
     * ``"api-version"``: no ``PLUGIN_API_VERSION``, a malformed one, or another major;
     * ``"invalid"``: its entry-point value is malformed, pluggy rejected the plugin (bad hook
