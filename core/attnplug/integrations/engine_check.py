@@ -41,6 +41,7 @@ __all__ = [
     "run_as_child",
     "model_names",
     "prepare_models",
+    "module_main",
 ]
 
 
@@ -249,3 +250,10 @@ def prepare_models(
     paths = {n: save_model(ENGINE_MODELS[n], work) for n in names}
     reference = {n: transformers_tokens(paths[n], token_prompts, MAX_NEW_TOKENS) for n in names}
     return work, token_prompts, paths, reference
+
+
+def module_main(prog: str, add_arguments: Callable, run_command: Callable) -> int:
+    """``python -m`` of a check module (how a check runs its children): parse, run."""
+    parser = argparse.ArgumentParser(prog=prog)
+    add_arguments(parser)
+    return run_command(parser.parse_args())

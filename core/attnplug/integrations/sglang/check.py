@@ -34,6 +34,7 @@ from ..engine_check import (
     check_row,
     collect_child,
     model_names,
+    module_main,
     prepare_models,
     run_as_child,
     spawn_child,
@@ -164,11 +165,5 @@ def run_command(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def main() -> int:  # python -m attnplug.integrations.sglang.check
-    parser = argparse.ArgumentParser(prog="attnplug sglang-check")
-    add_arguments(parser)
-    return run_command(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m attnplug.integrations.sglang.check (the children)
+    sys.exit(module_main("attnplug sglang-check", add_arguments, run_command))
