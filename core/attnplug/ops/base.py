@@ -57,7 +57,8 @@ class OpsInputError(ValueError):
 
 @dataclass(frozen=True)
 class PagedStep:
-    """One step of one cache group, as ``PagedOps.plan`` built it (device tensors, host ints).
+    """One step of one cache group, as ``PagedOps.plan`` built it (device tensors, host ints):
+    ``query_start_loc`` [B + 1] int32, ``seq_lens`` [B] as given.
 
     ``slot_table`` [B, W] int32: the slot of key position ``j < W`` of request ``b`` (0 past
     ``seq_lens[b]`` and for a negative block); ``W`` covers ``max_seq_len``.
@@ -191,7 +192,7 @@ class PagedOps(abc.ABC):
         live = (blocks >= 0) & (cols[None, :] < seq_lens[:, None])
         slot_table = torch.where(live, slots, 0).to(torch.int32)
         return PagedStep(
-            query_start_loc=query_start_loc,
+            query_start_loc=query_start_loc.to(torch.int32),  # once a step (a no-op when int32), not per layer
             seq_lens=seq_lens,
             slot_table=slot_table,
             num_tokens=num_tokens,

@@ -70,9 +70,6 @@ class CudaOps(PagedOps):
         B = step.num_reqs
         if step.num_tokens == 0 or B == 0:
             return out
-        query_start_loc = step.query_start_loc
-        if query_start_loc.dtype != torch.int32:
-            query_start_loc = query_start_loc.to(torch.int32)
         table = step.slot_table
         hkv = kc.shape[1]
         T, H, D = query.shape
@@ -88,7 +85,7 @@ class CudaOps(PagedOps):
             num_sms=self._num_sms,
         )
         inputs = self._inputs(
-            query_start_loc,
+            step.query_start_loc,
             step.seq_lens,
             self._key_table.of(table, self._table_rows(B)),
             shape.max_q_len,

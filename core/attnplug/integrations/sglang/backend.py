@@ -70,7 +70,6 @@ class AttnplugSGLangBackend(AttentionBackend):
         cls = backend_class(None, self.device)
         #: the attnplug backend whose op layer runs the layers
         self.attnplug_backend = cls
-        self.capabilities = cls.installed_capabilities()
         self.ops = cls.paged_ops(self.device)
         pool = self.token_to_kv_pool
         self.layers_mapping = getattr(pool, "layers_mapping", None)
