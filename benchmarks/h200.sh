@@ -7,6 +7,8 @@
 #   bash benchmarks/h200.sh trust   # GPU tests, conformance on cuda, the engine-loop example
 #   bash benchmarks/h200.sh soak    # 20,000-step soak of the cuda backend (graphs, PDL)
 #   bash benchmarks/h200.sh models  # transformers models through Engine on cuda, generate
+#   bash benchmarks/h200.sh validate  # the trust catalogue on the GPU, a soak with ATTNPLUG_VALIDATE=1,
+#                                     # what validation costs a step (bench --only batch_validation)
 # BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks.
 # Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
 set -u
@@ -60,6 +62,19 @@ elif [ "$stage" = models ]; then
     --max-new-tokens 16 --graphs
   tail -16 "$out/gpu_check.log"
   tail -3 "$out/generate.log"
+elif [ "$stage" = validate ]; then
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/env.log" 2>&1
+  python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
+  run catalogue 240 python3 -m pytest -q -p no:cacheprovider -n 4 tests/catalogue tests/core/test_bad_input_batches.py \
+    tests/core/test_graph_runner.py tests/cuda/test_cuda_kernels_store_attend.py \
+    tests/cuda/test_cuda_kernels_step_metadata.py tests/cuda/test_cuda_ops.py tests/ops
+  run soak_validate 150 env ATTNPLUG_VALIDATE=1 attnplug soak --backend cuda --steps "${SOAK_STEPS:-1500}" --seed 1 \
+    --progress 60 --json "$out/soak_validate.json"
+  run validation_cost 150 attnplug bench --backend cuda --only batch_validation --out "$out/validation"
+  cat "$out/env.log"
+  tail -3 "$out/catalogue.log"
+  tail -2 "$out/soak_validate.log"
+  grep -E "batch_validation: bs=" "$out/validation_cost.log"
 elif [ "$stage" = soak ]; then
   run soak 330 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"

@@ -14,14 +14,30 @@ It mirrors what ``StreamGraph`` uses of a PyTorch device module and how the real
   pool whose last reference is released is refused for later captures (as PyTorch's caching
   allocator asserts while it still holds the pool's blocks);
   ``pool_ops()`` gives ``StreamGraph`` its end/release calls.
+
+``FakeDevice`` graphs compute nothing on replay. ``TapeGraph`` is the stand-in that replays like
+a device graph: capture runs the step once and records every aten op and every Triton
+(interpreter) kernel launch with the very tensors it touched; ``replay()`` re-executes that tape
+over those same tensors and runs no Python of the step (a Python branch on a value, which the
+host allows, is frozen as the capture took it). A replay therefore reads the buffers the
+capture read, at their "addresses": if the backend's metadata has since moved to other buffers,
+the replay does not see them, exactly as a GPU graph would not. ``EagerGraph`` (the core's host
+stand-in) re-runs the Python step, which reads whatever the backend holds now, and hides that.
+``use_tape_graphs(backend)`` makes a backend's ``new_graph()`` return ``TapeGraph``s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
+import sys
 from collections import Counter
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from attnplug.graphs import PoolOps
 
@@ -189,3 +205,118 @@ class _GraphContext:
     def __exit__(self, *exc) -> None:
         self.graph.capture_end()  # when this raises, the stream is not restored
         self._stream_ctx.__exit__(*exc)
+
+
+# ---------------------------------------------------------------- a graph that replays its tape
+#: ops whose result is fresh memory with no defined values: replay keeps the captured tensor
+_ALLOCATING = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class _Op:
+    """One recorded aten call: the function, the captured arguments, the captured outputs."""
+
+    def __init__(self, func, args, kwargs, out) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.outs = tree_flatten(out)[0]
+
+    def replay(self) -> None:
+        if self.func.overloadpacket.__name__ in _ALLOCATING:
+            return  # the captured tensor is this allocation's fixed address
+        new = tree_flatten(self.func(*self.args, **self.kwargs))[0]
+        for rec, got in zip(self.outs, new):
+            if not isinstance(rec, torch.Tensor) or not isinstance(got, torch.Tensor) or _same_memory(rec, got):
+                continue  # in place, or a view of captured memory: already where the tape reads it
+            if got.shape != rec.shape:
+                raise RuntimeError(f"{self.func}: replay made shape {tuple(got.shape)}, capture {tuple(rec.shape)}")
+            rec.copy_(got)  # a fresh result goes where the capture's result lives
+
+
+class _Launch:
+    """One recorded Triton interpreter launch: the grid executor and its captured arguments."""
+
+    def __init__(self, call: Callable, executor: Any, args: tuple, kwargs: dict) -> None:
+        self.call, self.executor, self.args, self.kwargs = call, executor, args, kwargs
+
+    def replay(self) -> None:
+        self.call(self.executor, *self.args, **self.kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, tape: list) -> None:
+        super().__init__()
+        self.tape = tape
+        self.paused = 0  # inside a recorded kernel launch: its own tensor ops are part of it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.paused:
+            self.tape.append(_Op(func, args, kwargs, out))
+        return out
+
+
+@contextlib.contextmanager
+def _recording_launches(recorder: _Recorder) -> Iterator[None]:
+    interp = sys.modules.get("triton.runtime.interpreter")
+    executor = getattr(interp, "GridExecutor", None)
+    if executor is None:  # no Triton interpreter in this process: aten ops only
+        yield
+        return
+    original = executor.__call__
+
+    def recording(self, *args, **kwargs):
+        if recorder.paused:
+            return original(self, *args, **kwargs)
+        recorder.paused += 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            recorder.paused -= 1
+        recorder.tape.append(_Launch(original, self, args, kwargs))
+
+    executor.__call__ = recording
+    try:
+        yield
+    finally:
+        executor.__call__ = original
+
+
+class TapeGraph:
+    """A ``DeviceGraph`` on the host that replays its captured work over the captured tensors
+    (see the module docstring). ``replays`` counts replays."""
+
+    def __init__(self) -> None:
+        self.tape: Optional[List[Any]] = None
+        self.replays = 0
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        tape: List[Any] = []
+        recorder = _Recorder(tape)
+        with _recording_launches(recorder), recorder:
+            out = fn()  # if this raises, nothing is kept
+        self.tape = tape
+        return out
+
+    def replay(self) -> None:
+        if self.tape is None:
+            raise RuntimeError("replay() before capture()")
+        with torch.no_grad():
+            for entry in self.tape:
+                entry.replay()
+        self.replays += 1
+
+
+def use_tape_graphs(backend) -> List[TapeGraph]:
+    """Make ``backend.new_graph()`` return ``TapeGraph``s; returns the list of those it made."""
+    made: List[TapeGraph] = []
+
+    def new_graph() -> TapeGraph:
+        made.append(TapeGraph())
+        return made[-1]
+
+    backend.new_graph = new_graph
+    return made

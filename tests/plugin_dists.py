@@ -17,6 +17,8 @@ import types
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from child import HANG_LIMIT_S
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -260,7 +262,7 @@ def install_plugins(sources: Iterable[Path], tmp: Path) -> Dict[str, str]:
     cmd += ["--target", str(site)]
     if _can_build_without_isolation():
         cmd += ["--no-build-isolation", "--no-index"]
-    out = subprocess.run(cmd + [str(p) for p in sources], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd + [str(p) for p in sources], capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert out.returncode == 0, out.stdout + out.stderr
     write_project_metadata(meta)
     return subprocess_env(site, meta)

@@ -9,13 +9,16 @@
   NAME`` (its own quiet progress line is the progress display), in this process or, with
   ``jobs`` > 1, spread over that many pytest-xdist worker processes (:func:`worker_count`); a
   collector plugin in this process records every test's outcome.
-* Then a rich matrix check x backend (pass / FAIL / skip with reason / xfail) and the
-  failures' messages are printed, and ``report`` (a path) receives the JSON report:
+* Then a rich matrix check x backend (pass / FAIL / skip / xfail), why tests were skipped,
+  expected to fail or not run (per check and reason, with counts), and the failures'
+  messages are printed, and ``report`` (a path) receives the JSON report:
   versions (attnplug, torch, python, pytest, triton when installed), platform, and per
   backend its device, ``capabilities().to_json()`` and every test's nodeid, check, outcome,
   duration and message.
 * Exit code: 0 when every backend ran with no failure, 1 when a check failed (or an
-  unexpected pass of a strict xfail), 2 for a usage error.
+  unexpected pass of a strict xfail), 2 for a usage error, 130 / 143 when Ctrl-C / SIGTERM
+  stopped the run (no further backend runs; the matrix and report hold what ran, the report
+  with ``interrupted``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import pytest
 
-from attnplug.cli_errors import fail
+from attnplug.cli_errors import device_problem, fail, output_problem, signal_exit_code, signal_name
 
 from .plugin import CHECKS_DIR, check_name_of, check_names
 from .pytest_args import pytest_plugin_args, worker_count
@@ -94,6 +98,12 @@ class ResultCollector:
         self.results: Dict[str, TestResult] = {}
         self.collect_errors: List[str] = []
         self.total = 0
+        self.interrupted: Optional[str] = None  # the signal that stopped the run (pytest swallows it)
+
+    def pytest_keyboard_interrupt(self, excinfo) -> None:
+        if type(excinfo.value).__module__.startswith("xdist"):
+            return  # -x / --maxfail stopping the workers (xdist's Interrupted), not a signal
+        self.interrupted = signal_name(excinfo.value)
 
     def pytest_collection_finish(self, session) -> None:
         self.total = len(session.items)
@@ -266,8 +276,8 @@ def _cell(results: List[TestResult]):
     n = len(results)
     if bad:
         return Text(f"FAIL {bad}/{n}", style="bold red")
-    if counts["skipped"] == n:
-        return Text(f"skip: {results[0].message}", style="yellow")
+    if counts["skipped"] == n and len({r.message for r in results}) == 1:
+        return Text(f"skip: {results[0].message}", style="yellow")  # the reason fits in the cell
     parts = []
     if counts["passed"]:
         parts.append(f"pass {counts['passed']}")
@@ -279,6 +289,37 @@ def _cell(results: List[TestResult]):
         parts.append(f"not run {counts['not run']}")
     style = "green" if counts["passed"] and not counts["xfailed"] else "cyan"
     return Text(" · ".join(parts), style=style)
+
+
+#: outcomes whose reasons the matrix lists below the table: (outcome, how the list is headed)
+_EXPLAINED = (("skipped", "skipped"), ("xfailed", "expected to fail (xfail)"), ("not run", "not run"))
+
+
+def _reasons(tests: List[Dict[str, Any]], outcome: str) -> List[Tuple[str, str, int]]:
+    """``(check, reason, count)`` of the tests with ``outcome``, grouped, in the order met."""
+    counts: Dict[Tuple[str, str], int] = {}
+    for t in tests:
+        if t["outcome"] == outcome:
+            default = "not reached: the run stopped before it" if outcome == "not run" else "(no reason given)"
+            key = (t["check"], t["message"] or default)
+            counts[key] = counts.get(key, 0) + 1
+    return [(check, reason, n) for (check, reason), n in counts.items()]
+
+
+def print_reasons(console, backends: List[Dict[str, Any]]) -> None:
+    """Why tests were skipped, expected to fail or not run, per backend: one line per check
+    and reason with its count (a matrix cell says ``skip 10``; this says why)."""
+    from rich.text import Text
+
+    for b in backends:
+        for outcome, heading in _EXPLAINED:
+            reasons = _reasons(b["tests"], outcome)
+            if not reasons:
+                continue
+            total = sum(n for _c, _r, n in reasons)
+            console.print(Text(f"{b['name']}: {total} test(s) {heading}, why:", style="bold"))
+            for check, reason, n in reasons:
+                console.print(Text(f"  {check} ({n}): {reason}"), soft_wrap=True)
 
 
 def _console():
@@ -319,6 +360,7 @@ def print_matrix(console, backends: List[Dict[str, Any]], not_run: List[Tuple[st
         )
     table.add_row(*status)
     console.print(table)
+    print_reasons(console, backends)
     for b in backends:
         failures = [t for t in b["tests"] if t["outcome"] in ("failed", "error", "xpassed")]
         if failures:
@@ -341,22 +383,6 @@ def _junit_path(junitxml: str, name: str, many: bool) -> str:
     p = Path(junitxml)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return str(p.with_name(f"{p.stem}-{safe}{p.suffix or '.xml'}"))
-
-
-def _device_problem(device: str) -> Optional[str]:
-    """Why ``device`` cannot run the suite (one line), or None: the string must parse and the
-    device must take a tensor."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        return str(exc).splitlines()[0]
-    try:
-        torch.empty(1, device=dev)
-    except Exception as exc:  # not compiled in, not present, index out of range
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unusable'}"
-    return None
 
 
 def run_conformance(
@@ -385,9 +411,13 @@ def run_conformance(
     except ValueError as exc:
         return fail(f"conformance: {exc}")
     if device is not None:
-        problem = _device_problem(device)
+        problem = device_problem(device)
         if problem:
             return fail(f"conformance: --device {device!r}: {problem}")
+    for option, path in (("--report", report), ("--junitxml", junitxml)):
+        problem = output_problem(path) if path is not None else None
+        if problem:  # found now, not after the suite ran
+            return fail(f"conformance: {option} {path!r}: {problem}")
     plan = _plan(backends)
     if plan.error:
         return fail(f"conformance: {plan.error}")
@@ -400,6 +430,7 @@ def run_conformance(
     started = datetime.datetime.now(datetime.timezone.utc)
     results: List[Dict[str, Any]] = []
     exit_code = 0
+    interrupted: Optional[str] = None
     for name, info in plan.run:
         dev, caps, caps_error, source = _capabilities(name, device)
         console.rule(Text(f"attnplug conformance: {name} on {dev or '?'}"))
@@ -455,7 +486,12 @@ def run_conformance(
                 "tests": tests,
             }
         )
-    if keyword and not any(r["tests"] or r["collect_errors"] for r in results):
+        if collector.interrupted:  # Ctrl-C / SIGTERM: no further backend; what ran is shown and written
+            interrupted = collector.interrupted
+            done = {r["name"] for r in results}
+            plan.not_run += [(n, f"not run: interrupted by {interrupted}") for n, _ in plan.run if n not in done]
+            break
+    if keyword and not interrupted and not any(r["tests"] or r["collect_errors"] for r in results):
         return fail(f"conformance: -k {keyword!r} matched no check (checks: {', '.join(check_names())})")
     print_matrix(console, results, plan.not_run)
     if report:
@@ -467,15 +503,22 @@ def run_conformance(
             "requested": list(backends) if backends else None,
             "keyword": keyword,
             "exit_code": exit_code,
+            "interrupted": interrupted,
             "backends": results,
             "not_run": [{"name": n, "reason": r} for n, r in plan.not_run],
         }
         path = Path(report)
-        if path.parent and not path.parent.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        try:
+            if path.parent and not path.parent.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as exc:
+            return fail(f"conformance: --report {report!r}: {exc.strerror or exc}")
         console.print(Text(f"report written to {path}"))
     label = "conformance (quick profile)" if "--attnplug-quick" in pytest_args else "conformance"
+    if interrupted:
+        console.print(Text(f"{label}: INTERRUPTED by {interrupted} (the results above are partial)", style="bold red"))
+        return signal_exit_code(signum=getattr(signal, interrupted))
     console.print(
         Text(
             f"{label}: PASSED" if exit_code == 0 else f"{label}: FAILED",

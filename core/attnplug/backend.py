@@ -197,6 +197,9 @@ class AttentionBackend(InputChecks, abc.ABC):
         Must: create ``self.cuda_graph_swa_out_cache_loc`` (int32, ``[max_num_tokens]``,
         zero-filled) under exactly that name, and every other buffer the captured kernels
         read. Must not: allocate any graph-read buffer later (capture and replay reuse these).
+        A backend that supports several ``GraphRunner``s makes a new graph state on every call
+        and leaves the buffers of earlier states to the runners that own them
+        (``get_cuda_graph_state``).
         """
 
     @abc.abstractmethod
@@ -220,6 +223,28 @@ class AttentionBackend(InputChecks, abc.ABC):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """``seq_lens`` value given to padded requests in a captured batch (>= 1)."""
 
+    def get_cuda_graph_state(self) -> Optional[Any]:
+        """The graph state the backend uses now: the buffers of the last
+        ``init_cuda_graph_state`` (and the views the backend keeps of them), as an opaque handle
+        for ``set_cuda_graph_state``; None before ``init_cuda_graph_state``.
+
+        A captured graph reads its buffers at fixed addresses for as long as it lives. So that
+        several ``GraphRunner``s can share one backend, each runner keeps the state its
+        constructor's ``init_cuda_graph_state`` made and hands it back before each of its
+        captures and replays: a later runner never replaces the buffers under an earlier
+        runner's graphs. Default: None, always (the backend keeps one set of buffers):
+        ``GraphRunner`` then refuses a second runner on the backend while the first one lives.
+        """
+        return None
+
+    def set_cuda_graph_state(self, state: Any) -> None:
+        """Make ``state`` (a ``get_cuda_graph_state()`` handle of this backend) the state that
+        capture and replay metadata fill and that ``cuda_graph_swa_out_cache_loc`` names.
+        Must: switch references only (no allocation, no device work, sync-free); refuse an
+        object that is not such a handle. Default: raises ``NotImplementedError`` (one state
+        per backend: see ``get_cuda_graph_state``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps one graph state (get_cuda_graph_state() is None)")
+
     def set_replay_source(self, batch: ForwardBatch, static: ForwardBatch) -> None:
         """Only for a class with ``copies_replay_batch = True``; ``GraphRunner`` calls it
         right before ``init_forward_metadata_replay_cuda_graph(static)``.
@@ -231,7 +256,8 @@ class AttentionBackend(InputChecks, abc.ABC):
         ``batch_size`` real requests, then row 0 and ``get_cuda_graph_seq_len_fill_value()``
         for the padded ones; ``out_cache_loc`` of the ``T`` real tokens, then slot 0; and,
         when ``batch.positions`` is not None, ``positions`` then 0 (when it is None, the
-        static positions stay as they are). Then it prepares ``static`` as usual.
+        static positions stay as they are; ``GraphRunner`` never announces such a batch: it
+        refuses a step without positions). Then it prepares ``static`` as usual.
         Must: read ``batch``'s tensors on the device only (sync-free), refuse a batch on
         another device (``BatchError``), drop ``batch`` after that call.
         Must not: write any other tensor of ``batch`` or ``static``.

@@ -15,7 +15,18 @@ module checks that, reading values only where that costs no device sync:
   - ``seq_lens`` of real requests: ``extend_seq_lens <= seq_lens <= max_context_len``;
   - ``extend_seq_lens``: as many new tokens as the mode says, ``sum == len(out_cache_loc)``.
 
-Every refusal is a ``BatchError`` naming the field, the index and the value.
+  - consistency with the request table (``req_to_token``) and the pool's mapping: a request
+    appears once; a padded request's tokens write to the sink (``0``) or nowhere (``-1``); each
+    real token's ``out_cache_loc`` is the slot its request's row holds at the token's position
+    (``seq_lens - extend_seq_lens + j``: the engine writes the row before the step); the row holds
+    a usable slot at every position ``< seq_lens``; no slot is held twice among the step's rows, and no new
+    token's slot is held by another live request; every new token's slot has a live SWA slot (a
+    freed slot has none); on pools with SWA layers, every position a new token's window reaches
+    has a live SWA slot; ``positions`` (when given) are the tokens' positions.
+
+Every refusal is a ``BatchError`` naming the request, the field, the index and the value; the
+checks only read, so a refused batch has written nothing. On an accelerator the consistency
+checks run as device ops whose verdicts are read in one copy (one sync a step).
 """
 
 from __future__ import annotations
@@ -25,11 +36,12 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 
 from .batch import BatchError, ForwardBatch, ForwardMode
+from .batch_consistency import check_batch_consistency
 
 if TYPE_CHECKING:  # pragma: no cover
     from .memory import ReqToTokenPool, SWAKVPool
 
-__all__ = ["check_batch_against_pools"]
+__all__ = ["check_batch_against_pools", "check_batch_consistency"]
 
 
 def _values(t: Optional[torch.Tensor], read_device: bool) -> Optional[List[int]]:
@@ -45,9 +57,15 @@ def _first_bad(name: str, values: List[int], ok, meaning: str) -> None:
 
 
 def check_batch_against_pools(
-    batch: ForwardBatch, pool: "SWAKVPool", req_to_token_pool: "ReqToTokenPool", *, read_device: bool
+    batch: ForwardBatch,
+    pool: "SWAKVPool",
+    req_to_token_pool: "ReqToTokenPool",
+    *,
+    read_device: bool,
+    window: Optional[int] = None,
 ) -> None:
     """Refuse a batch that does not fit ``pool`` / ``req_to_token_pool`` (see module docstring).
+    ``window``: the backend's sliding window (its SWA layers' reach), None without one.
 
     Must not: read a device tensor unless ``read_device``; change the batch or the pools.
     """
@@ -90,6 +108,8 @@ def check_batch_against_pools(
                 )
             if s > max_len:
                 raise BatchError(f"seq_lens[{i}] = {s} exceeds max_context_len = {max_len}")
+        if read_device:
+            check_batch_consistency(batch, pool, req_to_token_pool, rows, seq, ext, window=window)
 
 
 def _extend_lens(batch: ForwardBatch, read_device: bool) -> Optional[List[int]]:

@@ -24,6 +24,11 @@ Subcommands are registered by small ``_add_<name>(subparsers)`` functions listed
 * ``attnplug new-plugin NAME [--dir D]``: write a new plugin in the shape every plugin has
   (``attnplug.scaffold``).
 * ``attnplug --version``.
+
+Before a subcommand runs, its torch ``--device`` (``TORCH_DEVICE``) and every file or folder it
+will write (``OUTPUTS``) are checked; an error that stops a run is one ``attnplug: error:``
+line (``cli_errors.fail``), exit code 2. SIGTERM is handled as Ctrl-C is: a run it stops ends
+with 130 (SIGINT) / 143 (SIGTERM), and soak, bench and conformance write what they gathered.
 """
 
 from __future__ import annotations
@@ -31,10 +36,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .cli_errors import ERROR_PREFIX, fail
+from .cli_errors import (
+    ERROR_PREFIX,
+    device_problem,
+    fail,
+    interrupts_raise,
+    output_problem,
+    signal_exit_code,
+    signal_name,
+)
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "info_data", "fail", "ERROR_PREFIX"]
 
@@ -74,10 +88,17 @@ def info_data(registry=None) -> Dict[str, Any]:
         "plugin_api_version": reg.PLUGIN_API_VERSION,
         "entry_point_group": reg.ENTRY_POINT_GROUP,
         "environment": env.flags_set(),
+        # a set variable whose value its reader refuses: name -> the error (README: an error)
+        "environment_errors": env.flag_errors(),
         "default_backend": default,
         "default_error": default_error,
         "backends": backends,
-        "errors": [error.to_json() for error in registry.load_errors()],
+        "errors": [error.to_json() for error in registry.load_errors() if error.kind != "disabled"],
+        # not loaded because ATTNPLUG_PLUGINS does not name them: a choice, not an error
+        "disabled": [error.to_json() for error in registry.load_errors() if error.kind == "disabled"],
+        "plugin_allow_list": list(registry.allow) if registry.allow is not None else None,
+        # what plugin imports and hooks did to the process, undone (a backend's own: its row's notes)
+        "notes": [note.to_json() for note in registry.notes() if note.backend is None],
     }
 
 
@@ -155,13 +176,28 @@ def _print_info(data: Dict[str, Any]) -> None:
         extra = {k: v for k, v in (row.get("capabilities") or {}).items() if k not in flags} if row["available"] else {}
         for key, value in extra.items():
             console.print(Text(f"  {key}: {value}"))
+        for note in row.get("notes") or ():  # what its probe, class import or describe() did
+            console.print(Text(f"  note: {note}", style="yellow"))
     if data["default_backend"]:
         console.print(Text(f"* default: get_backend() returns {data['default_backend']!r}"))
     else:
         console.print(Text(f"no default backend: {data['default_error']}", style="red"))
-    env = ", ".join(f"{k}={v}" for k, v in data["environment"].items() if v)
+    env_errors = data.get("environment_errors") or {}
+    env = ", ".join(f"{k}={v}" for k, v in data["environment"].items() if v and k not in env_errors)
     if env:
         console.print(Text(f"environment: {env}"))
+    for message in env_errors.values():  # refused wherever it is read
+        console.print(Text(f"environment error: {message}", style="red"))
+    disabled = data.get("disabled") or []
+    if disabled:
+        allowed = ",".join(data.get("plugin_allow_list") or ())
+        names = ", ".join(f"{e['plugin']} ({_dist(e['distribution'], e['version'])})" for e in disabled)
+        console.print(Text(f"not loaded, as ATTNPLUG_PLUGINS={allowed} asks: {names}"))
+    notes = data.get("notes") or []
+    if notes:
+        console.print(Text("what plugin imports and hooks did to this process:", style="yellow"))
+        for note in notes:
+            console.print(Text(f"  {note['plugin']} ({_dist(note['distribution'], note['version'])}): {note['note']}"))
     if data["errors"]:
         console.print(Text("plugin load errors:", style="red"))
         for error in data["errors"]:
@@ -330,9 +366,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         resolved = resolve_backend(spec, args.device)
         cls, device = resolved.cls, resolved.device
     except (registry.RegistryError, SelectionError) as exc:
-        return fail(str(exc))
+        return fail(f"bench: {exc}")
     except (RuntimeError, ValueError) as exc:  # torch.device() of a malformed --device
-        return fail(f"--device {args.device!r}: {exc}")
+        return fail(f"bench: --device {args.device!r}: {exc}")
     try:
         suite = suite_for(cls)
         options = suite.parse_options(args.set or [])
@@ -349,14 +385,18 @@ def _run_bench(args: argparse.Namespace) -> int:
             options=options,
         )
     except (SuiteUnavailable, ValueError) as exc:
-        return fail(str(exc))
+        return fail(f"bench: {exc}")
+    except OSError as exc:  # the JSON or a plot could not be written after all (a full disk)
+        return fail(f"bench: cannot write {exc.filename!r}: {exc.strerror or exc}")
     if args.history:
         from attnplug.bench.history import append_history
 
         try:
             append_history(args.history, result)
         except OSError as exc:
-            return fail(f"--history {args.history!r}: {exc}")
+            return fail(f"bench: --history {args.history!r}: {exc.strerror or exc}")
+    if result.get("interrupted"):  # the rows measured before are written, marked interrupted
+        return signal_exit_code(signum=getattr(signal, result["interrupted"]))
     return 1 if result["summary"]["errors"] else 0
 
 
@@ -372,7 +412,10 @@ def _add_bench(subparsers) -> None:
         "whose plugin ships none runs the portable suite (whole hybrid steps through GraphRunner vs "
         "eager steps, small sizes, any device). Prints progress, a table and a summary line last; "
         "--out DIR writes bench.json and PNG plots (time vs batch size per variant, ratio vs the "
-        "baseline). Exit code 1 when a benchmark failed with an error, 2 when the run cannot start. "
+        "baseline); on a device without device graphs the graph variant is the eager stand-in and the "
+        "report, table and plots say so. Exit code 1 when a benchmark failed with an error, 2 when the run cannot "
+        "start (outputs are checked first), 130 / 143 when Ctrl-C / SIGTERM stopped it (no child process left "
+        "running; the rows measured so far written, marked interrupted). "
         "Methods and recorded results: docs/benchmarks.md.",
     )
     parser.add_argument(
@@ -433,7 +476,8 @@ def _add_soak(subparsers) -> None:
         "draft-extend, pool pressure, graph replay and eager fallback, NaN in free slots and the sink) "
         "and check every step against a float64 oracle, the allocator's invariants and the live KV "
         "values (docs/reliability.md). Exit code 1 on any failure (the first failing step is printed), "
-        "2 when the run cannot start.",
+        "2 when the run cannot start, 130 / 143 when Ctrl-C / SIGTERM stopped it (the figures of the steps that "
+        "ran are printed and written, marked interrupted).",
     )
 
 
@@ -515,7 +559,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: per subcommand, the options that name what it writes: (option, is a folder). Each is checked
+#: before the run starts (``cli_errors.output_problem``), so a run is never lost to a path that
+#: cannot be written. ``info --markdown`` writes at once and reports its own error.
+OUTPUTS: Dict[str, Tuple[Tuple[str, bool], ...]] = {
+    "conformance": (("--report", False), ("--junitxml", False)),
+    "bench": (("--out", True), ("--json", False), ("--history", False)),
+    "soak": (("--json", False),),
+    "vllm-check": (("--json", False), ("--work", True)),
+    "sglang-check": (("--json", False), ("--work", True)),
+}
+
+#: the subcommands whose ``--device`` is a torch device, checked before the run
+#: (``cli_errors.device_problem``; sglang-check's is SGLang's own device name)
+TORCH_DEVICE = ("conformance", "bench", "soak", "generate")
+
+
+def _preflight(args: argparse.Namespace) -> Optional[int]:
+    """The exit code of the first problem found before ``args``' subcommand runs (an unusable
+    ``--device``, an output that cannot be written), else None."""
+    command = args.command
+    device = getattr(args, "device", None)
+    if command in TORCH_DEVICE and device is not None:
+        problem = device_problem(device)
+        if problem:
+            return fail(f"{command}: --device {device!r}: {problem}")
+    for option, folder in OUTPUTS.get(command, ()):
+        path = getattr(args, option[2:].replace("-", "_"), None)
+        if path is not None:
+            problem = output_problem(path, folder=folder)
+            if problem:
+                return fail(f"{command}: {option} {path!r}: {problem}")
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``attnplug`` command line ``argv``; returns the exit code. Errors that stop a run
+    are one ``attnplug: error:`` line (``fail``), never a traceback; SIGINT / SIGTERM stop a run
+    with 130 / 143 (commands that keep figures write them first)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -523,11 +604,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     from attnplug.env import EnvError
+    from attnplug.registry import RegistryError
+    from attnplug.selection import SelectionError
 
     try:
-        return int(func(args) or 0)
-    except EnvError as exc:  # a malformed ATTNPLUG_* variable, wherever it was read
+        with interrupts_raise():
+            code = _preflight(args)
+            if code is not None:
+                return code
+            return int(func(args) or 0)
+    except (EnvError, RegistryError, SelectionError) as exc:
+        # a malformed ATTNPLUG_* variable, wherever it was read; a backend that cannot be chosen
         return fail(str(exc))
+    except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM where the command keeps nothing
+        return fail(f"{args.command}: interrupted by {signal_name(exc)}", signal_exit_code(exc))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,9 +15,10 @@ variable                   reader                          meaning (default)
                                                            of highest priority)
 ``ATTNPLUG_PLUGINS``       ``plugin_allow_list()``         comma-separated entry-point names: load
                                                            only these plugins (all)
-``ATTNPLUG_PROBE_TIMEOUT`` ``probe_timeout()``             seconds a plugin probe or a backend's
-                                                           ``describe()`` may take; ``inf``: no
-                                                           limit (5)
+``ATTNPLUG_PROBE_TIMEOUT`` ``probe_timeout()``             seconds each piece of plugin code run at
+                                                           selection may take (import, hook,
+                                                           probe, class import, ``describe()``);
+                                                           ``inf``: no limit (5)
 ``ATTNPLUG_VALIDATE``      ``validation_enabled()``        also run the batch checks that read
                                                            device tensors (a host sync) (off)
 ``ATTNPLUG_DISABLE_PDL``   ``pdl_disabled()``              launch without Programmatic Dependent
@@ -31,7 +32,9 @@ Parsing: surrounding blanks are ignored and an empty value means unset. A switch
 ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off`` (any case). A value that
 does not parse raises ``EnvError`` (a ``ValueError``) naming the variable, the value and what
 is expected, e.g. ``ATTNPLUG_VALIDATE='ture': expected a switch: 1, true, yes, on or 0,
-false, no, off``; it is never silently read as the default.
+false, no, off``; it is never silently read as the default. ``flag_errors()`` runs the reader
+of every variable that is set (``reader`` registers one: core's below, a plugin's in its ``env``
+module), so ``attnplug info`` shows a malformed value as the error it is.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 __all__ = [
     "EnvError",
@@ -52,6 +55,8 @@ __all__ = [
     "DISABLE_PDL",
     "DEFAULT_PROBE_TIMEOUT",
     "declare",
+    "reader",
+    "flag_errors",
     "switch",
     "choice",
     "backend_name",
@@ -62,7 +67,8 @@ __all__ = [
     "flags_set",
 ]
 
-#: seconds; generous because a probe may import a vendor runtime, which can take a few seconds
+#: seconds; generous because a probe or a backend class import may import a vendor runtime,
+#: which can take a few seconds
 DEFAULT_PROBE_TIMEOUT = 5.0
 
 _ON = ("1", "true", "yes", "on")
@@ -102,7 +108,8 @@ BACKEND = EnvFlag(
 PLUGINS = EnvFlag("ATTNPLUG_PLUGINS", "comma-separated plugin (entry-point) names: load only these", "all")
 PROBE_TIMEOUT = EnvFlag(
     "ATTNPLUG_PROBE_TIMEOUT",
-    "seconds a plugin probe or a backend's describe() may take ('inf': no limit)",
+    "seconds each piece of plugin code run at selection may take: import, hook, probe, class import, describe() "
+    "('inf': no limit)",
     f"{DEFAULT_PROBE_TIMEOUT:g}",
 )
 VALIDATE = EnvFlag("ATTNPLUG_VALIDATE", "also run the batch checks that read device tensors (a host sync)", "off")
@@ -130,6 +137,20 @@ def declare(*flags: EnvFlag) -> Tuple[EnvFlag, ...]:
 
 declare(BACKEND, PLUGINS, PROBE_TIMEOUT, VALIDATE, DISABLE_PDL, VLLM_SLOTS)
 
+#: variable name -> its reader (no arguments; parses the value, raising ``EnvError``)
+_READERS: Dict[str, Callable[[], Any]] = {}
+
+
+def reader(flag: EnvFlag) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """Decorator: the function (no arguments) reads and parses ``flag``; ``flag_errors()``
+    calls it to check a value that is set. A plugin's ``env`` module decorates its readers so."""
+
+    def register(read: Callable[[], Any]) -> Callable[[], Any]:
+        _READERS[flag.name] = read
+        return read
+
+    return register
+
 
 def switch(flag: EnvFlag) -> bool:
     """A switch (module docstring), False when unset; anything else raises ``EnvError``."""
@@ -154,11 +175,13 @@ def choice(flag: EnvFlag, values: Tuple[str, ...]) -> str:
     return raw.lower()
 
 
+@reader(BACKEND)
 def backend_name() -> Optional[str]:
     """``ATTNPLUG_BACKEND``: a backend name, or ``None`` when unset."""
     return BACKEND.raw()
 
 
+@reader(PLUGINS)
 def plugin_allow_list() -> Optional[Tuple[str, ...]]:
     """``ATTNPLUG_PLUGINS``: the entry-point names to load (blanks and empty items dropped), or
     ``None`` when unset (load all). A value with no name at all (``","``) raises ``EnvError``."""
@@ -171,6 +194,7 @@ def plugin_allow_list() -> Optional[Tuple[str, ...]]:
     return names
 
 
+@reader(PROBE_TIMEOUT)
 def probe_timeout() -> Optional[float]:
     """``ATTNPLUG_PROBE_TIMEOUT``: seconds (> 0), ``None`` for ``inf`` (no limit), default
     ``DEFAULT_PROBE_TIMEOUT``. Anything else (``0``, ``-1``, ``nan``, ``soon``) raises."""
@@ -188,6 +212,7 @@ def probe_timeout() -> Optional[float]:
     return None if math.isinf(value) else value
 
 
+@reader(VLLM_SLOTS)
 def vllm_slots() -> Tuple[str, ...]:
     """``ATTNPLUG_VLLM_SLOTS``: the vLLM backend names (upper case) attnplug registers itself
     under besides ``CUSTOM``; empty when unset. A value that is not a list of identifiers raises."""
@@ -200,11 +225,13 @@ def vllm_slots() -> Tuple[str, ...]:
     return names
 
 
+@reader(VALIDATE)
 def validation_enabled() -> bool:
     """``ATTNPLUG_VALIDATE``: True when switched on."""
     return switch(VALIDATE)
 
 
+@reader(DISABLE_PDL)
 def pdl_disabled() -> bool:
     """``ATTNPLUG_DISABLE_PDL``: True when the user turned PDL off; every plugin honours it."""
     return switch(DISABLE_PDL)
@@ -214,3 +241,19 @@ def flags_set() -> Dict[str, str]:
     """The declared ``ATTNPLUG_*`` variables (``FLAGS``) that are set (non-empty), as given:
     what a report records about the run's environment."""
     return {name: os.environ[name] for name in FLAGS if FLAGS[name].raw() is not None}
+
+
+def flag_errors() -> Dict[str, str]:
+    """The declared variables that are set to a value their reader refuses: name -> the
+    ``EnvError`` message (``"ATTNPLUG_VALIDATE='ture': expected a switch: ..."``). A variable
+    without a registered reader is not checked."""
+    errors: Dict[str, str] = {}
+    for name, flag in list(FLAGS.items()):
+        read = _READERS.get(name)
+        if read is None or flag.raw() is None:
+            continue
+        try:
+            read()
+        except EnvError as exc:
+            errors[name] = str(exc)
+    return errors

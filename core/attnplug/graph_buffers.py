@@ -17,11 +17,21 @@ contract (docs/contract.md, "Hoisted SWA writes") is kept for graph mode:
   buffer, the leading ``bs * q_len`` rows of a token buffer.
 
 The translation itself has one definition: the pool's ``translate_loc_from_full_to_swa``.
+
+One ``GraphBuffers`` is one graph state. A captured graph reads the buffers it was captured
+with, at their addresses, for as long as it lives, so a second ``GraphRunner`` on the same
+backend must never replace them: every ``init_cuda_graph_state`` makes a new state, the runner
+that called it keeps it (``AttentionBackend.get_cuda_graph_state``) and hands it back before
+each of its captures and replays (``set_cuda_graph_state``). Whatever else a backend derives
+from the buffers and its graphs read belongs to the state too: ``views`` (the backend's
+per-shape views, built once per captured shape) and ``shared`` (tensors the backend also uses
+outside graphs, e.g. eager workspaces it grew for this state's sizes: the state keeps the ones
+its graphs were captured with alive and current).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple, Union
+from typing import Any, Dict, Tuple, Union
 
 import torch
 
@@ -44,6 +54,10 @@ class GraphBuffers:
         #: [max_num_tokens] int32: the step's hoisted SWA slots, zero past the step's tokens
         self.swa_out_cache_loc: torch.Tensor = torch.zeros(max_num_tokens, dtype=torch.int32, device=self.device)
         self._buffers: Dict[str, Tuple[str, torch.Tensor]] = {}
+        #: the backend's views of these buffers per captured shape (built once, kept with them)
+        self.views: Dict[Any, Any] = {}
+        #: tensors outside these buffers that this state's graphs read (see module docstring)
+        self.shared: Dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ allocation (once)
     def add(self, name: str, rows: Union[str, int], *tail: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:

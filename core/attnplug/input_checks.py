@@ -63,7 +63,8 @@ class InputChecks:
 
     def check_batch(self, batch: ForwardBatch, *, read_device: Optional[bool] = None) -> None:
         """Refuse a batch that does not fit this backend's pools (``BatchError`` naming the
-        field and value): device, slot ranges, live rows, ``seq_lens`` bounds. Values on the
+        request, field and value): device, slot ranges, live rows, ``seq_lens`` bounds, and the
+        step's consistency with ``req_to_token`` and the pools (``batch_consistency``). Values on the
         host are always checked; device values only when ``read_device`` (default:
         ``validation_enabled()``), because reading them synchronises.
         Call it from the metadata methods; replay calls it only when validation is on."""
@@ -72,7 +73,9 @@ class InputChecks:
 
         if read_device is None:
             read_device = validation_enabled()
-        check_batch_against_pools(batch, self.pool, self.req_to_token_pool, read_device=read_device)
+        check_batch_against_pools(
+            batch, self.pool, self.req_to_token_pool, read_device=read_device, window=self.sliding_window
+        )
 
     def _note_prepared_batch(self, batch: ForwardBatch) -> None:
         """Record the batch the last metadata call prepared (``forward`` checks it)."""

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from attnplug.cli import main
+from child import HANG_LIMIT_S
 
 CHECKS = [
     "check_accepts_seq_lens_cpu_none",
@@ -25,6 +28,7 @@ CHECKS = [
 ]
 
 
+@pytest.mark.slow
 def test_reference_passes_writes_report_and_prints_matrix(tmp_path):
     report = tmp_path / "out" / "report.json"
     env = dict(os.environ, COLUMNS="200", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -34,7 +38,7 @@ def test_reference_passes_writes_report_and_prints_matrix(tmp_path):
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=300,
+        timeout=HANG_LIMIT_S,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

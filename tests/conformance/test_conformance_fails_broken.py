@@ -15,6 +15,8 @@ import pytest
 
 import suite_runs
 
+pytestmark = pytest.mark.slow  # each case runs the conformance suite on a broken backend
+
 
 def run_suite(backend: str, keyword: str = ""):
     """Outcomes of the suite against ``backend``: ``{nodeid: TestResult}`` (cached)."""

@@ -13,6 +13,8 @@ from attnplug.cli import main
 from attnplug_conformance import pytest_args
 from attnplug_conformance.pytest_args import AUTO_JOBS_MAX, worker_count
 
+pytestmark = pytest.mark.slow  # runs the suite in worker processes
+
 #: cheap checks of three kinds (flags, the SWA buffer, translation counts): 12 tests
 SOME_CHECKS = "check_capabilities_honest or check_swa_buffer_contract or check_translates_once_per_step"
 

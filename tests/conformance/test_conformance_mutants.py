@@ -32,6 +32,8 @@ from attnplug_conformance.plugin import check_names
 from attnplug_conformance.rules import ALL_RULES
 from worlds import small_spec
 
+pytestmark = pytest.mark.slow  # each case runs the conformance suite on a mutant
+
 #: broken_backends classes that must fail the suite (HonestPdl is correct; DirtyTailDeclared
 #: declares its failure and is reported as a strict xfail)
 BROKEN = [

@@ -5,6 +5,8 @@ import contextlib
 import io
 import json
 
+import pytest
+
 from attnplug import cli
 from attnplug.bench.history import append_history, history_lines, main
 from attnplug.bench.rows import row
@@ -121,6 +123,7 @@ def test_module_appends_written_reports_and_refuses_other_files(tmp_path, capsys
     ] * 2
 
 
+@pytest.mark.slow
 def test_bench_history_option_appends_the_runs_rows(tmp_path):
     path = tmp_path / "history.jsonl"
     path.write_text('{"earlier": 1}\n')

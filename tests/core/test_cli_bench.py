@@ -13,6 +13,7 @@ from attnplug.backends.reference import ReferenceBackend
 from attnplug.bench import Ctx, Suite, SuiteUnavailable, portable, row, run_suite, suite_for
 from attnplug.bench.plots import plot_rows, write_plots
 from attnplug.bench.suite import Benchmark
+from child import HANG_LIMIT_S
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_isolated_run_kills_a_benchmark_past_its_time_limit(tmp_path):
     killed = runner._run_in_child(portable.SUITE, portable.SUITE.get("hybrid_step"), ctx, timeout=0.5)
     assert "time limit" in killed[-1]["error"]
     ctx.options = {"dtype": "not-a-dtype"}
-    failed = runner._run_in_child(portable.SUITE, portable.SUITE.get("hybrid_step"), ctx, timeout=60)
+    failed = runner._run_in_child(portable.SUITE, portable.SUITE.get("hybrid_step"), ctx, timeout=HANG_LIMIT_S)
     assert "not a torch dtype" in failed[-1]["error"]
 
 

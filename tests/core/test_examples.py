@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attnplug
+from child import HANG_LIMIT_S
 from plugin_dists import ROOT
 
 EXAMPLE = ROOT / "examples" / "engine_loop.py"
@@ -75,7 +76,9 @@ def test_engine_loop_uses_the_public_api_only():
 
 def test_engine_loop_script_runs():
     env = dict(os.environ, OMP_NUM_THREADS="1", ATTNPLUG_PLUGINS="reference")
-    result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, env=env, timeout=HANG_LIMIT_S
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "--- eager ---" and "--- graphs ---" in lines

@@ -10,6 +10,7 @@ from attnplug import EagerGraph, ForwardMode, GraphRunner, GraphSupport
 from attnplug.backends.reference import ReferenceBackend
 from attnplug.graphs import GraphCaptureError, default_bucket_sizes
 from attnplug_conformance.harness import World
+from fake_graph_device import use_tape_graphs
 from oracle import assert_close_rel, dense_attention
 from worlds import small_spec
 
@@ -37,8 +38,13 @@ def test_default_buckets():
     "mode,ndt", [(ForwardMode.DECODE, None), (ForwardMode.TARGET_VERIFY, 4), (ForwardMode.DRAFT_EXTEND, 3)]
 )
 @pytest.mark.parametrize("n_reqs", [3, 4, 6], ids=["padded", "exact", "eager-fallback"])
-def test_replay_equals_eager_and_dense(mode, ndt, n_reqs):
+@pytest.mark.parametrize("graph", ["eager-stand-in", "tape"])
+def test_replay_equals_eager_and_dense(mode, ndt, n_reqs, graph):
+    """``tape``: graphs that replay their captured work over the captured tensors, as a device
+    graph does (tests/fake_graph_device.py), not by re-running the Python step."""
     world, reqs = _prefilled(n_reqs)
+    if graph == "tape":
+        use_tape_graphs(world.backend)
     runner = world.graph_runner(max_bs=4, num_draft_tokens=ndt, bucket_sizes=[1, 2, 4])
     step = world.plan(mode, reqs, num_draft_tokens=ndt)
     replayed = runner.run(step.batch, step.inputs).clone()

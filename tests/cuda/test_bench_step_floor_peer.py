@@ -92,6 +92,7 @@ def test_empty_kernel_floor_runs_interpreted():
 
 
 @pytest.mark.skipif(not ON_CPU, reason="CPU plumbing check (the GPU runs the real benchmark)")
+@pytest.mark.slow
 def test_hybrid_step_plumbing_with_floors_pdl_and_peer():
     from attnplug_cuda.bench import hybrid_step
     from attnplug_cuda.bench.floor import EmptyKernelFloor

@@ -15,6 +15,7 @@ from attnplug import ForwardMode  # noqa: E402
 from attnplug.backends.reference import ReferenceBackend  # noqa: E402
 from attnplug_conformance.harness import World  # noqa: E402
 from attnplug_cuda.backend import CudaBackend  # noqa: E402
+from child import HANG_LIMIT_S
 from worlds import kernel_spec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +74,7 @@ def test_one_metadata_launch_per_step(monkeypatch):
     assert len(launches) == 1 and not translations
 
 
+@pytest.mark.slow
 def test_whole_conformance_suite_passes_on_the_cuda_kernels():
     """The shared suite against the cuda backend: the whole suite on a GPU; through the Triton
     interpreter (PDL off) its quick profile (``--attnplug-quick``: every check's first round,
@@ -98,7 +100,7 @@ def test_whole_conformance_suite_passes_on_the_cuda_kernels():
         ],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=HANG_LIMIT_S,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and " failed" not in res.stdout

@@ -36,6 +36,7 @@ from attnplug_cuda.cpp_ext import (
     nvcc_compile_command,
     try_load_ext,
 )
+from child import HANG_LIMIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 NVCC = find_nvcc()
@@ -54,7 +55,7 @@ def _cuobjdump() -> str | None:
 
 
 def _run(cmd):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_LIMIT_S)
 
 
 # --------------------------------------------------------------------------- static checks
@@ -155,7 +156,7 @@ def test_import_does_not_load_cpp_extension():
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "core"), str(REPO / "plugins" / "cuda"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_LIMIT_S)
     assert proc.returncode == 0, proc.stderr
     cpp_loaded, torch_loaded = proc.stdout.split()
     assert cpp_loaded == "False", "importing attnplug_cuda.cpp_ext imported torch.utils.cpp_extension"

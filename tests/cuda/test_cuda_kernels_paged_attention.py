@@ -226,6 +226,7 @@ _FEATURE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(_FEATURE_CASES))
+@pytest.mark.slow
 def test_softcap_and_sinks_match_float64(case):
     """Soft-capped logits and sink logits against the float64 formula, in every loop shape
     (masked, unmasked interior, KV splits with the combine kernel), and they change the result

@@ -21,6 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPEC = kernel_spec(swa_layer_ids=(0,), sliding_window=4, scramble_swa=True)  # one SWA layer, one full
 
 
+@pytest.mark.slow
 def test_softcap_and_sinks_match_float64_eager_and_replayed():
     spec = dataclasses.replace(SPEC, logit_softcap=1.5, sinks=True)
     cases.check_matches_float64(spec, CudaBackend, DEVICE, runner_modes=(ForwardMode.DECODE,))

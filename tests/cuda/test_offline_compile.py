@@ -9,15 +9,20 @@ import sys
 
 import pytest
 
+from child import HANG_LIMIT_S
+
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
+
+pytestmark = pytest.mark.slow  # compiles kernels offline
+
 
 HERE = os.path.dirname(__file__)
 
 
 def _run(*argv):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=HANG_LIMIT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc.stdout
 

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from child import HANG_LIMIT_S
+
 sglang = pytest.importorskip("sglang", reason="needs SGLang: .ci/run's engine job")
 
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
@@ -58,7 +60,7 @@ def test_plugin_loads_and_the_option_is_accepted():
         print("RESULT", before, parses(), ATTENTION_BACKENDS.get("attnplug") is create_backend)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_LIMIT_S)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert line[0].split()[1:] == ["False", "True", "True"]

@@ -47,6 +47,7 @@ def _cuda_on_host():
     return CudaKernelsOnHost, "cpu"
 
 
+@pytest.mark.slow
 def test_cuda_kernels_give_the_reference_tokens():
     cls, device = _cuda_on_host()
     prompts = random_prompts([6, 13])

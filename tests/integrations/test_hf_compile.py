@@ -13,6 +13,9 @@ from hf_helpers import hf_greedy  # noqa: E402
 from attnplug.integrations.transformers import Engine, ModelRunner, NoStepError, tiny_model  # noqa: E402
 from attnplug.integrations.transformers.attention import attention_op  # noqa: E402
 
+pytestmark = pytest.mark.slow  # torch.compile of tiny models
+
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42]]
 
 

@@ -78,15 +78,16 @@ def test_eos_ends_each_request_at_its_first_eos():
 
 
 def test_a_wrong_window_changes_the_tokens(monkeypatch):
-    """The parity tests can fail: attending over a window one key wider than the model's gives
-    other tokens for these prompts."""
+    """The parity tests can fail: attending over a window one key narrower than the model's
+    gives other tokens for these prompts. (A wider one is refused: its window reaches keys
+    whose SWA slots the engine has freed, which validation names.)"""
     from attnplug.backends.reference import ReferenceBackend
 
-    class WiderWindow(ReferenceBackend):
+    class NarrowerWindow(ReferenceBackend):
         def __init__(self, *args, sliding_window=None, **kwargs):
-            super().__init__(*args, sliding_window=sliding_window + 1, **kwargs)
+            super().__init__(*args, sliding_window=sliding_window - 1, **kwargs)
 
-    engine = Engine(tiny_model("gemma3_text"), WiderWindow, max_batch_size=4, max_context_len=40)
+    engine = Engine(tiny_model("gemma3_text"), NarrowerWindow, max_batch_size=4, max_context_len=40)
     assert engine.generate(PROMPTS, NEW) != reference("gemma3_text")
 
 

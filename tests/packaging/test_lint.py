@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from child import HANG_LIMIT_S
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATHS = ["core", "plugins", "conformance", "tests", "examples", "benchmarks"]
 
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.lint
 def _ruff(*args: str) -> subprocess.CompletedProcess:
     pytest.importorskip("ruff", reason="ruff is not installed (pip install -e '.[test]')")
     return subprocess.run(
-        [sys.executable, "-m", "ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True, timeout=HANG_LIMIT_S
     )
 
 
@@ -53,6 +55,6 @@ def test_the_configuration_is_the_one_in_pyproject():
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=HANG_LIMIT_S,
         )
         assert (result.returncode == 0) is ok, result.stdout

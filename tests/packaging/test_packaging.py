@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from child import HANG_LIMIT_S
+
+pytestmark = pytest.mark.slow  # builds and installs the wheel
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -46,7 +51,7 @@ def wheel(tmp_path_factory):
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_LIMIT_S,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     (whl,) = (tmp / "dist").glob("attnplug-*.whl")
@@ -96,7 +101,7 @@ def test_wheel_installs_and_imports_from_its_target(wheel, tmp_path):
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_LIMIT_S,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     code = (
@@ -106,7 +111,7 @@ def test_wheel_installs_and_imports_from_its_target(wheel, tmp_path):
         " 'groups': sorted({e.group for e in d.entry_points})}))"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_LIMIT_S)
     assert res.returncode == 0, res.stderr
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["file"].startswith(str(target)) and info["cuda"].startswith(str(target))

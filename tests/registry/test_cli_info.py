@@ -11,6 +11,7 @@ import attnplug
 from attnplug import cli
 from attnplug import registry as R
 from attnplug.registry import load_registry
+from child import HANG_LIMIT_S
 from plugin_dists import (
     ROOT,
     DistTree,
@@ -136,7 +137,7 @@ def test_info_json_subprocess_with_the_project_entry_points(tmp_path):
     DistTree(site).add(
         "attnplug-flaky", {"flaky": plugin_source(body="raise ImportError('libflaky.so missing')")}, version="0.0.1"
     )
-    out = run_cli(subprocess_env(site), "info", "--json", cwd=tmp_path, timeout=180)
+    out = run_cli(subprocess_env(site), "info", "--json", cwd=tmp_path, timeout=HANG_LIMIT_S)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     rows = {row["name"]: row for row in data["backends"]}

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from child import HANG_LIMIT_S
 from fault_matrix import (
     FAULTS,
     HERE,
@@ -25,7 +26,7 @@ from fault_matrix import (
 )
 from plugin_dists import run_cli, subprocess_env
 
-pytestmark = pytest.mark.usefixtures("clean_registry")
+pytestmark = [pytest.mark.usefixtures("clean_registry"), pytest.mark.slow]  # slow: faulty plugins in child processes
 
 
 # ---------------------------------------------------------------------------- hang / exit scenarios
@@ -63,7 +64,11 @@ def hang_results(tmp_path_factory):
     env = subprocess_env(*inherited_path(), HERE)
     try:
         out = subprocess.run(
-            [sys.executable, "-c", _DRIVER, json.dumps(scenarios)], env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", _DRIVER, json.dumps(scenarios)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=HANG_LIMIT_S,
         )
         stdout, stderr, code = out.stdout, out.stderr, out.returncode
     except subprocess.TimeoutExpired as exc:
@@ -105,7 +110,7 @@ def test_every_fault_at_once_through_the_command(tmp_path):
     assert used >= 25
     env = subprocess_env(site, *inherited_path(), HERE)
     env["ATTNPLUG_PROBE_TIMEOUT"] = LIMIT
-    out = run_cli(env, "info", "--json", cwd=tmp_path, timeout=120)
+    out = run_cli(env, "info", "--json", cwd=tmp_path, timeout=HANG_LIMIT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out.stdout)
     rows = {row["name"]: row for row in data["backends"]}

@@ -12,7 +12,11 @@ import pytest
 
 from attnplug import cli
 from attnplug.scaffold import TEMPLATES, ScaffoldError, plugin_names, write_plugin
+from child import HANG_LIMIT_S
 from plugin_dists import install_plugins
+
+pytestmark = pytest.mark.slow  # builds, installs and certifies a generated plugin
+
 
 NAME = "scaffolded"
 
@@ -61,7 +65,7 @@ def test_the_generated_plugin_installs_and_passes_conformance(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_LIMIT_S,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert NAME in res.stdout and "conformance: PASSED" in res.stdout

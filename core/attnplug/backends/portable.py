@@ -18,9 +18,12 @@ Per step (``init_forward_metadata`` or the graph-replay path), from device tenso
   outside ``[1, num_slots)`` (the sink 0, ``-1`` = no slot, garbage) sent to the sink, whose
   own value is written back, so such a token changes nothing.
 
-Graph mode: ``init_cuda_graph_state`` creates the backend's ``GraphBuffers`` (every buffer at
-its maximum size, ``cuda_graph_swa_out_cache_loc`` among them); capture and replay fill views
-of them in place, the hoisted SWA slots through ``GraphBuffers.fill_swa_out_cache_loc``.
+Graph mode: ``init_cuda_graph_state`` creates a new ``GraphBuffers`` (every buffer at its
+maximum size, ``cuda_graph_swa_out_cache_loc`` among them) and makes it the graph state in use;
+capture and replay fill views of them in place, the hoisted SWA slots through
+``GraphBuffers.fill_swa_out_cache_loc``. Each ``GraphRunner`` owns the state its constructor
+made and switches the backend back to it (``set_cuda_graph_state``) before its captures and
+replays, so several runners share one backend.
 
 Out-of-range indices never wrap or fault: a ``req_pool_indices`` entry outside the table
 reads row 0 (no keys), a table entry outside ``[1, num_slots)`` is no key. Key columns a
@@ -235,10 +238,25 @@ class PortableBackend(AttentionBackend):
             buffers.add("swa_slots", "requests", self._swa_table_width(max_num_tokens))
             buffers.add("swa_start", "requests")
             buffers.add("swa_store_loc", "tokens")
-        self.graph_buffers = buffers
-        self._graph_metadata = {}
+        self._use_graph_buffers(buffers)  # a new state: earlier ones stay their runners'
         # Read once here, not per replay: replay does no new host work unless validation is on.
         self._validate_replay = validation_enabled()
+
+    def get_cuda_graph_state(self) -> Optional[GraphBuffers]:
+        """The ``GraphBuffers`` in use (with the per-shape metadata views kept in its ``views``)."""
+        return self.graph_buffers
+
+    def set_cuda_graph_state(self, state: GraphBuffers) -> None:
+        if not isinstance(state, GraphBuffers) or state.device != self.device:
+            raise TypeError(
+                f"state must be the GraphBuffers of a {self.name} backend on {self.device} "
+                f"(get_cuda_graph_state()), got {type(state).__name__}"
+            )
+        self._use_graph_buffers(state)
+
+    def _use_graph_buffers(self, state: GraphBuffers) -> None:
+        self.graph_buffers = state
+        self._graph_metadata = state.views
 
     def _graph_views(self, batch: ForwardBatch) -> _StepMetadata:
         """The metadata of a captured ``(bs, q_len)`` step: views of ``graph_buffers``, built

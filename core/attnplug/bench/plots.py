@@ -3,7 +3,9 @@
 For every benchmark whose rows carry the plot keys ``variant``, ``bs`` and ``series``, one
 PNG ``<benchmark>.png``: one line of panels per series, with time against batch size per
 variant (left; a dashed ``floor`` line where rows carry ``floor``) and the ratio
-``baseline / variant`` against batch size (right; above 1: faster than the baseline).
+``baseline / variant`` against batch size (right; above 1: faster than the baseline). A
+variant whose rows carry ``graphs="eager stand-in"`` (a graph variant with no device graph) is
+labelled so, and its ratio panel says the ratio is noise, not a speedup.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List
+
+from .report import STAND_IN
 
 __all__ = ["plot_rows", "write_plots"]
 
@@ -38,6 +42,12 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: str, baseline: str) -> List
         for r in rows
         if r.get("variant") is not None and r.get("bs") is not None
     }
+    # variants measured through the eager stand-in (no device graph): labelled so in every panel
+    stand_in = {
+        (r["benchmark"], str(r.get("series") or r.get("metric") or ""), str(r["variant"]))
+        for r in rows
+        if r.get("graphs") == STAND_IN and r.get("variant") is not None
+    }
     floors: Dict[tuple, Dict[int, float]] = defaultdict(dict)
     for r in rows:
         if r.get("floor") is not None and r.get("bs") is not None:
@@ -49,9 +59,14 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: str, baseline: str) -> List
         axes = fig.subplots(len(by_series), 2, squeeze=False)
         for (series, variants), (ax_t, ax_r) in zip(sorted(by_series.items()), axes):
             metric, unit = units.get((bench, series), ("time", ""))
+
+            def name(variant: str, bench=bench, series=series) -> str:
+                return f"{variant} ({STAND_IN})" if (bench, series, variant) in stand_in else variant
+
+            noise = any((bench, series, v) in stand_in for v in variants)
             for variant, points in sorted(variants.items()):
                 xs = sorted(points)
-                ax_t.plot(xs, [points[x] for x in xs], marker="o", label=variant)
+                ax_t.plot(xs, [points[x] for x in xs], marker="o", label=name(variant))
             floor = floors.get((bench, series))
             if floor:
                 xs = sorted(floor)
@@ -67,13 +82,16 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: str, baseline: str) -> List
                     if variant == baseline:
                         continue
                     xs = [x for x in sorted(points) if x in base and points[x] > 0]
-                    ax_r.plot(xs, [base[x] / points[x] for x in xs], marker="o", label=f"{baseline} / {variant}")
+                    ax_r.plot(xs, [base[x] / points[x] for x in xs], marker="o", label=f"{baseline} / {name(variant)}")
                 ax_r.legend()
             else:
                 ax_r.text(
                     0.5, 0.5, f"no {baseline!r} baseline measured", ha="center", va="center", transform=ax_r.transAxes
                 )
-            ax_r.set_title(f"ratio vs {baseline} (above 1: faster)")
+            if noise:  # two eager runs: the ratio is noise, and the panel says so
+                ax_r.set_title(f"ratio vs {baseline}: {STAND_IN}, no device graph (noise, not a speedup)")
+            else:
+                ax_r.set_title(f"ratio vs {baseline} (above 1: faster)")
             ax_r.set_xlabel("batch size")
             ax_r.set_ylabel("x")
             sizes = sorted({x for pts in variants.values() for x in pts})

@@ -22,6 +22,7 @@ from .context import Ctx
 from .model_decode import BENCHMARK as MODEL_DECODE
 from .step_case import StepShape, StepVariant, run_step_benchmark
 from .suite import Benchmark, Suite
+from .validation import BENCHMARK as BATCH_VALIDATION
 
 __all__ = ["SUITE", "run_hybrid_step", "QUICK_SHAPE", "FULL_SHAPE"]
 
@@ -79,6 +80,7 @@ SUITE = Suite(
             reserve_s=10.0,
         ),
         MODEL_DECODE,
+        BATCH_VALIDATION,
     ],
     options={"dtype": "auto"},
     isolate=False,

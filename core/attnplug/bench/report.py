@@ -11,7 +11,19 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional
 
-__all__ = ["results_table", "print_report", "write_json", "format_value", "main"]
+__all__ = ["results_table", "print_report", "write_json", "format_value", "main", "STAND_IN", "stand_in_note"]
+
+#: ``result["graphs"]`` (and a row's ``graphs``) where the backend has no device graph: its
+#: ``EagerGraph`` stand-in "replays" by running the eager step again
+STAND_IN = "eager stand-in"
+
+
+def stand_in_note(device: Any) -> str:
+    """What a run through the eager stand-in means, in one line."""
+    return (
+        f"{STAND_IN}: no device graph on {device}; the graph variants replay the eager step again, so "
+        "their speedups over eager steps are noise, not a graph's gain"
+    )
 
 
 def format_value(value: Any) -> str:
@@ -90,12 +102,22 @@ def print_report(result: Dict[str, Any], file=None) -> None:
     """The table, then (last) one summary line: targets met, errors, time, where outputs went."""
     console = _console(file)
     console.print()
-    console.print(
-        results_table(
-            result["rows"],
-            title=f"attnplug bench: {result['suite']} suite, backend {result['backend']} on {result['device']}",
+    stand_in = result.get("graphs") == STAND_IN
+    title = f"attnplug bench: {result['suite']} suite, backend {result['backend']} on {result['device']}"
+    if stand_in:
+        title += f" (graphs: {STAND_IN}, no device graph)"
+    if result.get("interrupted"):
+        title += f" (INTERRUPTED by {result['interrupted']})"
+    console.print(results_table(result["rows"], title=title))
+    if stand_in:
+        console.print(f"note: {stand_in_note(result['device'])}", soft_wrap=True)
+    if result.get("interrupted"):
+        not_run = result.get("not_run") or []
+        console.print(
+            f"INTERRUPTED by {result['interrupted']}: the rows above are what was measured before"
+            + (f"; not run: {', '.join(not_run)}" if not_run else ""),
+            soft_wrap=True,
         )
-    )
     s = result["summary"]
     where = []
     if result.get("json"):
@@ -104,6 +126,10 @@ def print_report(result: Dict[str, Any], file=None) -> None:
         where.append(f"plots: {len(result['plots'])} PNG in {os.path.dirname(result['plots'][0]) or '.'}")
     elif result.get("plots_note"):
         where.append(result["plots_note"])
+    if stand_in:
+        where.append(f"graphs: {STAND_IN}")
+    if result.get("interrupted"):
+        where.insert(0, f"INTERRUPTED by {result['interrupted']}")
     line = (
         f"targets met: {s['met']} / {s['targets']}; errors: {len(s['errors'])}; total {result['total_s']:.0f} s"
         + "".join(f"; {w}" for w in where)
@@ -143,6 +169,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows = [r for r in rows if r.get("benchmark") in args.only]
     names = ", ".join(args.only) if args.only else "every benchmark"
     title = f"{names}: backend {result.get('backend', '-')} on {result.get('device', '-')}"
+    if result.get("graphs") == STAND_IN:
+        title += f" (graphs: {STAND_IN}, no device graph)"
+    if result.get("interrupted"):
+        title += f" (INTERRUPTED by {result['interrupted']})"
     _console().print(results_table(rows, title=title))
     return 0
 

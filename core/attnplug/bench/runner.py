@@ -5,7 +5,8 @@
 --child ...``) with a time limit carved from the run's budget (what the benchmarks still to
 come need is kept back): a sticky device error, an out-of-memory or a hang then costs that
 benchmark only, and its memory goes back to the device when it ends. A benchmark that raises
-leaves an error row; the others still run.
+leaves an error row; the others still run. Ctrl-C or SIGTERM stops the run with no child
+left running and the figures measured so far written, marked ``interrupted``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..cli_errors import interrupts_deferred, output_problem, signal_name
 from .context import Ctx, Deadline
 from .environment import environment
-from .report import print_report, write_json
+from .report import STAND_IN, print_report, stand_in_note, write_json
 from .rows import benchmark_error_row, failure_row, summarize
 from .suite import Benchmark, Suite
 from .timing import Timer, free_memory
@@ -38,6 +40,18 @@ JSON_NAME = "bench.json"
 def class_spec(cls: type) -> str:
     """``module:QualName`` of a class (how a child process finds the backend again)."""
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def graph_kind(timer: Timer) -> str:
+    """``"device graphs"`` when the backend's graph class captures real device graphs, else
+    ``STAND_IN`` (``EagerGraph``: a "replay" runs the eager step again)."""
+    from ..graphs import EagerGraph
+
+    try:
+        graph = timer.new_graph()
+    except Exception:  # the benchmarks will say what is wrong with the device
+        return "unknown"
+    return STAND_IN if isinstance(graph, EagerGraph) else "device graphs"
 
 
 def run_benchmark(bench: Benchmark, ctx: Ctx) -> List[dict]:
@@ -80,6 +94,33 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+class _Stopped(Exception):
+    """A benchmark's child process was stopped by SIGINT / SIGTERM in the parent (the child is
+    killed): ``rows`` it had saved, ``signame`` the signal."""
+
+    def __init__(self, rows: List[dict], signame: str) -> None:
+        super().__init__(signame)
+        self.rows = rows
+        self.signame = signame
+
+
+def _read_rows(path: str) -> List[dict]:
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except Exception:
+        return []
+    return rows if isinstance(rows, list) else []
+
+
+def _interrupted_row(bench: str, signame: str) -> dict:
+    return benchmark_error_row(
+        bench,
+        f"interrupted by {signame} (the rows before this one were measured before that)",
+        interrupted=signame,
+    )
+
+
 def _run_in_child(suite: Suite, bench: Benchmark, ctx: Ctx, timeout: float) -> List[dict]:
     fd, rows_path = tempfile.mkstemp(prefix=f"attnplug-bench-{bench.name}-", suffix=".json")
     os.close(fd)
@@ -105,12 +146,11 @@ def _run_in_child(suite: Suite, bench: Benchmark, ctx: Ctx, timeout: float) -> L
     if ctx.quick:
         cmd.append("--quick")
     try:
-        rc = run_child_process(cmd, timeout)
         try:
-            with open(rows_path) as f:
-                rows: List[dict] = json.load(f)
-        except Exception:
-            rows = []
+            rc = run_child_process(cmd, timeout)  # kills the child's process group on Ctrl-C / SIGTERM
+        except KeyboardInterrupt as exc:
+            raise _Stopped(_read_rows(rows_path), signal_name(exc)) from None
+        rows = _read_rows(rows_path)
         if rc is None:
             rows.append(
                 benchmark_error_row(
@@ -165,10 +205,23 @@ def run_suite(
     what it measured. ``budget_s``: the run's wall-clock budget (-1: the suite's default;
     None: unlimited). ``isolate``: one child process per benchmark (None: the suite's
     default). ``options``: the suite's options (``Suite.parse_options``).
-    Raises ``ValueError`` for an unknown benchmark name and ``SuiteUnavailable`` when the
-    suite cannot run here; both before anything is measured or written.
+    Raises ``ValueError`` for an unknown benchmark name or an output that cannot be written
+    (``out_dir`` / ``json_path``) and ``SuiteUnavailable`` when the suite cannot run here; all
+    before anything is measured or written.
+
+    A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM under ``cli_errors.interrupts_raise``) stops
+    the run without being raised: an isolated benchmark's child process is killed, the rows
+    measured so far (the child's saved ones included) are kept with an error row saying so, the
+    JSON, plots and table are written as usual, and ``result["interrupted"]`` names the signal
+    (``"SIGINT"`` / ``"SIGTERM"``; ``result["not_run"]``: the benchmarks that did not start).
+    Every row of a graph variant that had no device graph carries ``graphs="eager stand-in"``
+    (``result["graphs"]`` says which the backend has).
     """
     benchmarks = suite.select(only)
+    for option, path, folder in (("--out", out_dir, True), ("--json", json_path, False)):
+        problem = output_problem(path, folder=folder) if path else None
+        if problem:  # found now: a run is never lost to an output that cannot be written
+            raise ValueError(f"{option} {path!r}: {problem}")
     suite.check()
     device = _with_index(torch.device(device))
     budget = suite.budget_s if budget_s == -1.0 else budget_s
@@ -187,6 +240,7 @@ def run_suite(
     if suite.environment is not None:
         env.update(suite.environment())
     env["timing"] = ctx.timer.method
+    graphs = graph_kind(ctx.timer)
     result: Dict[str, Any] = {
         "suite": suite.name,
         "backend": getattr(backend_cls, "name", None) or "-",
@@ -195,6 +249,8 @@ def run_suite(
         "quick": quick,
         "budget_s": budget,
         "isolated": isolate,
+        # "device graphs", or "eager stand-in": no device graph here, graph variants replay eager steps
+        "graphs": graphs,
         "options": ctx.options,
         "benchmarks": [b.name for b in benchmarks],
         "rows": [],
@@ -206,33 +262,54 @@ def run_suite(
         f"({env.get('device_name')}), torch {env['torch']}, triton {env['triton']}, timing: {env['timing']}; "
         f"{'quick' if quick else 'full'} run of {result['benchmarks']}"
     )
+    if graphs == STAND_IN:
+        ctx.log(f"graphs: {stand_in_note(device)}")
     for i, bench in enumerate(benchmarks):
-        ctx.log(f"== {bench.name} ==")
         t0 = time.monotonic()
-        later = sum(b.reserve_s * (0.5 if quick else 1.0) for b in benchmarks[i + 1 :])
-        if isolate:
-            timeout = 3600.0 if budget is None else max(30.0, deadline.left() - later)
-            rows = _run_in_child(suite, bench, ctx, timeout)
-        else:
-            ctx.reserve_after_s = 0.0 if budget is None else later
-            rows = run_benchmark(bench, ctx)
-        result["rows"].extend(rows)
-        result["elapsed_s"][bench.name] = round(time.monotonic() - t0, 1)
+        ctx.rows = []
+        try:
+            ctx.log(f"== {bench.name} ==")
+            later = sum(b.reserve_s * (0.5 if quick else 1.0) for b in benchmarks[i + 1 :])
+            if isolate:
+                timeout = 3600.0 if budget is None else max(30.0, deadline.left() - later)
+                rows = _run_in_child(suite, bench, ctx, timeout)
+            else:
+                ctx.reserve_after_s = 0.0 if budget is None else later
+                rows = run_benchmark(bench, ctx)
+        except _Stopped as stop:  # the child is gone; the rows it saved are kept
+            result["interrupted"] = stop.signame
+            rows = stop.rows + [_interrupted_row(bench.name, stop.signame)]
+        except KeyboardInterrupt as exc:  # in this process: the rows appended so far are kept
+            result["interrupted"] = signal_name(exc)
+            rows = list(ctx.rows if not isolate else []) + [_interrupted_row(bench.name, result["interrupted"])]
+        with interrupts_deferred() as arrived:  # each JSON is written whole
+            result["rows"].extend(rows)
+            result["elapsed_s"][bench.name] = round(time.monotonic() - t0, 1)
+            result["summary"] = summarize(result["rows"])
+            for path in paths:
+                write_json(result, path)
+        if arrived and "interrupted" not in result:
+            result["interrupted"] = signal_name(signum=arrived[0])
+        if "interrupted" in result:
+            result["not_run"] = [b.name for b in benchmarks[i + 1 :]]
+            break
         ctx.log(f"== {bench.name}: {len(rows)} rows in {result['elapsed_s'][bench.name]:.1f} s ==")
+    with interrupts_deferred() as arrived:  # the figures gathered are written and shown, whatever arrives
+        result["total_s"] = round(deadline.elapsed(), 1)
         result["summary"] = summarize(result["rows"])
+        result["plots"] = []
+        if out_dir:
+            try:
+                from .plots import write_plots
+
+                result["plots"] = write_plots(result["rows"], out_dir, suite.baseline)
+            except ImportError as exc:
+                result["plots_note"] = (
+                    f"no PNG plots: matplotlib is not installed ({exc}); pip install 'attnplug[bench]'"
+                )
         for path in paths:
             write_json(result, path)
-    result["total_s"] = round(deadline.elapsed(), 1)
-    result["summary"] = summarize(result["rows"])
-    result["plots"] = []
-    if out_dir:
-        try:
-            from .plots import write_plots
-
-            result["plots"] = write_plots(result["rows"], out_dir, suite.baseline)
-        except ImportError as exc:
-            result["plots_note"] = f"no PNG plots: matplotlib is not installed ({exc}); pip install 'attnplug[bench]'"
-    for path in paths:
-        write_json(result, path)
-    print_report(result)
+        print_report(result)
+    if arrived and "interrupted" not in result:
+        result["interrupted"] = signal_name(signum=arrived[0])
     return result

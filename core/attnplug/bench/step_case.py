@@ -12,7 +12,10 @@ Time per step = wall clock of N back-to-back steps then one synchronisation, / N
 a few repeats (``Timer.wall_us``). Rows: ``time per step`` per variant (plot keys
 ``variant``, ``bs``, ``series`` = the mode), and per non-baseline variant the speedup
 ``baseline / variant`` with the largest output difference from the baseline; a last row
-holds the largest difference over every case against ``tolerance``.
+holds the largest difference over every case against ``tolerance``. Where a graph variant's
+backend has no device graph (its ``new_graph()`` is the ``EagerGraph`` stand-in, e.g. on the
+host) its rows and the speedups against it carry ``graphs="eager stand-in"`` and say so in
+their detail: such a "speedup" is the noise of two eager runs.
 
 Optional measurements around the same steps:
 
@@ -38,8 +41,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..batch import ForwardMode
+from ..graphs import EagerGraph
 from .context import Ctx
 from .floors import LaunchFloor, StepFloor
+from .report import STAND_IN
 from .rows import row
 from .step_compare import peer_rows, ratio_rows
 from .step_measure import layer_outputs, replay_prep_us, step_floor, time_variant
@@ -129,6 +134,10 @@ def run_step_benchmark(
         v: spec.make(world.pool, world.rows, num_heads=shape.num_heads, sliding_window=shape.window)
         for v, spec in variants.items()
     }
+    # graph variants whose backend has no device graph: the eager stand-in, said in their rows
+    stand_in = {v for v, spec in variants.items() if spec.graph and isinstance(backends[v].new_graph(), EagerGraph)}
+    if stand_in:
+        ctx.log(f"  {', '.join(sorted(stand_in))}: {STAND_IN} (no device graph here): speedups are noise")
     time_targets = time_targets or {}
     empty_graph: Dict[Tuple[int, bool], float] = {}
     unavailable: Dict[str, str] = {}
@@ -174,7 +183,19 @@ def run_step_benchmark(
                     )
                     times[v] = us
                     rows.append(
-                        _time_row(name, label, v, us, bs, series, n, repeats, time_targets.get((mode, bs)), extra)
+                        _time_row(
+                            name,
+                            label,
+                            v,
+                            us,
+                            bs,
+                            series,
+                            n,
+                            repeats,
+                            time_targets.get((mode, bs)),
+                            extra,
+                            STAND_IN if v in stand_in else None,
+                        )
                     )
                     ctx.log(
                         f"  {label} {v}: {us:.1f} us/step"
@@ -217,6 +238,8 @@ def run_step_benchmark(
                 s = times[baseline] / times[v]
                 held = target_speedup is not None
                 metric = f"speedup ({baseline} / {v})"
+                noise = v in stand_in or baseline in stand_in
+                graphs = {"graphs": STAND_IN} if noise else {}
                 rows.append(
                     row(
                         name,
@@ -232,7 +255,9 @@ def run_step_benchmark(
                         series=series,
                         max_abs_out_diff=diff,
                         **{f"{v}_us": times[v], f"{baseline}_us": times[baseline]},
+                        **graphs,
                         detail=(f"OUTPUTS DIFFER (max {diff:.3g}); " if diff > tolerance else "")
+                        + (f"{STAND_IN}, no device graph: noise, not a speedup; " if noise else "")
                         + f"step: {v} {times[v]:.1f} us, {baseline} {times[baseline]:.1f} us",
                     )
                 )
@@ -260,11 +285,22 @@ def run_step_benchmark(
     return rows
 
 
-def _time_row(name, label, v, us, bs, series, n, repeats, target_us, extra) -> dict:
+def _time_row(name, label, v, us, bs, series, n, repeats, target_us, extra, graphs=None) -> dict:
     floor: Optional[StepFloor] = extra.get("floor")
+    marks = {"graphs": graphs} if graphs else {}
     if floor is None:
         return row(
-            name, f"{label} {v}", "time per step", us, "us", variant=v, bs=bs, series=series, steps=n, repeats=repeats
+            name,
+            f"{label} {v}",
+            "time per step",
+            us,
+            "us",
+            variant=v,
+            bs=bs,
+            series=series,
+            steps=n,
+            repeats=repeats,
+            **marks,
         )
     return row(
         name,
@@ -282,8 +318,9 @@ def _time_row(name, label, v, us, bs, series, n, repeats, target_us, extra) -> d
         steps=n,
         repeats=repeats,
         launches_how=floor.launch_note,
-        detail=floor.describe(),
+        detail=(f"{STAND_IN}; " if graphs else "") + floor.describe(),
         **floor.fields(),
+        **marks,
     )
 
 

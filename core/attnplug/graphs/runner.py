@@ -21,6 +21,23 @@ Steps 1-2 are ``prepare(batch, inputs)`` (all host work of a replay), step 3 is 
 A step that no graph covers (mode not captured, more requests than the largest bucket)
 runs eagerly: ``init_forward_metadata`` (which translates once) and ``step``.
 
+A step of a mode the runner captures must fit the captured buffers, whether it would replay or
+run eagerly (its acceptance never depends on its batch size): ``positions`` given (the graphs
+read the static positions: a step without them would replay the previous step's), each batch
+field of the runner's device, an integer dtype and the step's length, each input declared,
+of its declared dtype, device and per-token shape with at least ``T`` rows. What does not fit
+raises ``ValueError`` naming the field and the value before anything is copied or captured
+(``StaticBuffers._check_step``). Steps of modes the runner never captures reach ``step`` as
+the engine built them. Construction arguments are checked the same way, before the backend's
+``init_cuda_graph_state`` (``runner_args``).
+
+Each runner owns its graph state. ``init_cuda_graph_state`` makes a new one per runner; the
+runner keeps it (``backend.get_cuda_graph_state()``) and switches the backend back to it
+(``set_cuda_graph_state``) before its captures and replays, so a later runner on the same
+backend never replaces the buffers under this runner's graphs, which read them at fixed
+addresses. A backend that keeps one state (the contract's default) serves one live runner: a
+second is refused while the first lives (``runner_args``).
+
 The runner never runs eagerly without saying so. ``run()`` captures on first use: the first
 step of a mode the runner captures triggers ``capture()`` when it was never called. A step that
 still runs eagerly has a reason, ``why_eager(batch)``; the first eager step of each mode and
@@ -56,7 +73,6 @@ import torch
 
 from ..backend import AttentionBackend, decide_needs_cpu_seq_lens
 from ..batch import ForwardBatch, ForwardMode
-from ..memory.args import host_int
 from . import collector
 from .buckets import (
     GraphKey,
@@ -70,6 +86,7 @@ from .buckets import (
 )
 from .capture import Captured, GraphCaptureError, capture_bucket, describe_failure
 from .device_graph import EagerGraph
+from .runner_args import check_graph_state_free, check_runner_args, claim_graph_state, owns_graph_states
 from .static_buffers import StaticBuffers, with_seq_lens_cpu
 
 __all__ = ["GraphCaptureError", "GraphRunner", "captured_modes", "default_bucket_sizes", "StepFn"]
@@ -99,29 +116,16 @@ class GraphRunner(StaticBuffers):
         bucket_sizes: Optional[Sequence[int]] = None,
         modes: Optional[Sequence[ForwardMode]] = None,
     ) -> None:
-        max_bs = host_int(max_bs, "max_bs", lo=1, error=ValueError)
-        if num_draft_tokens is not None:
-            num_draft_tokens = host_int(num_draft_tokens, "num_draft_tokens", lo=1, error=ValueError)
-        if bucket_sizes is not None:
-            bucket_sizes = [host_int(b, "bucket_sizes entry", lo=1, error=ValueError) for b in bucket_sizes]
+        max_bs, inputs, num_draft_tokens, bucket_sizes, modes = check_runner_args(
+            backend, step, max_bs, inputs, num_draft_tokens, bucket_sizes, modes
+        )
+        check_graph_state_free(backend)
         self.backend = backend
         self.step = step
         self.num_draft_tokens = num_draft_tokens
-        self.bucket_sizes = tuple(sorted(set(bucket_sizes or default_bucket_sizes(max_bs))))
-        if self.bucket_sizes[0] < 1 or self.bucket_sizes[-1] > max_bs:
-            raise ValueError(f"bucket sizes must lie in 1..{max_bs}, got {self.bucket_sizes}")
+        self.bucket_sizes = bucket_sizes or default_bucket_sizes(max_bs)
         supported = captured_modes(backend.capabilities().graphs)
-        wanted = tuple(modes) if modes is not None else supported
-        unsupported = [m.name for m in wanted if m not in supported]
-        if unsupported:
-            raise ValueError(
-                f"backend {backend.name!r} cannot capture {unsupported} (graphs={backend.capabilities().graphs.name})"
-            )
-        if modes is not None and num_draft_tokens is None and any(m.is_speculative for m in wanted):
-            raise ValueError(
-                f"modes {[m.name for m in wanted if m.is_speculative]} need num_draft_tokens "
-                "(the q_len of every request)"
-            )
+        wanted = modes if modes is not None else supported
         self.modes = tuple(m for m in wanted if m is ForwardMode.DECODE or num_draft_tokens)
         #: mode -> why the runner never replays it (every step of that mode runs eagerly)
         self.not_captured: Dict[ForwardMode, str] = {
@@ -137,6 +141,14 @@ class GraphRunner(StaticBuffers):
         self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens([backend])
 
         backend.init_cuda_graph_state(max_bs, self.max_num_tokens)
+        #: the backend's graph state this runner's graphs read (None: the backend keeps one)
+        self._graph_state = backend.get_cuda_graph_state() if owns_graph_states(backend) else None
+        if owns_graph_states(backend) and self._graph_state is None:
+            raise ValueError(
+                f"backend {backend.name!r} implements set_cuda_graph_state but get_cuda_graph_state() is None "
+                "after init_cuda_graph_state"
+            )
+        claim_graph_state(backend, self)
         self._init_static_buffers(backend.device, max_bs, self.max_num_tokens, inputs, fill_value)
         #: the backend writes the padded batch into the static buffers itself (replay metadata)
         self.backend_copies_batch = bool(getattr(backend, "copies_replay_batch", False))
@@ -179,6 +191,7 @@ class GraphRunner(StaticBuffers):
         bucket. Calling it again recaptures every bucket.
         """
         self._prepared = None
+        self._use_own_graph_state()
         self._reset_padding()
         with collector.collector_paused(collect=False):  # device graphs collect once, before their first capture
             for mode in self.modes:
@@ -326,22 +339,29 @@ class GraphRunner(StaticBuffers):
         the static buffers padded to the bucket (see the module docstring; an input that is
         ``runner.inputs[name][:T]`` itself, written in place by the engine, is not copied),
         and the backend's ``init_forward_metadata_replay_cuda_graph`` on the padded static
-        batch. Returns True
-        when a graph covers the step (call ``replay()`` next), False when ``run`` would run
-        it eagerly (then nothing was copied or prepared). Sync-free: device copies and fills
-        only, never a device read. Calling it again replaces the prepared step."""
+        batch. Returns True when a graph covers the step (call ``replay()`` next), False when
+        ``run`` would run it eagerly (then nothing was copied or prepared). Sync-free: device
+        copies and fills only, never a device read. Calling it again replaces the prepared step.
+
+        A step of a mode the runner captures must fit the captured buffers whether it replays
+        or runs eagerly (so its acceptance never depends on its batch size): ``positions``
+        given, every batch field and input of the runner's device and an integer / the
+        declared dtype, with the rows the step needs, no input the graphs do not read. What
+        does not fit raises ``ValueError`` naming the field and the value before anything is
+        copied or captured (``static_buffers.StaticBuffers._check_step``)."""
         self._prepared = None
-        if not self.capture_ran and batch.forward_mode in self.modes:
-            logger.info(
-                "GraphRunner(%s): capturing on first use (first %s step)", self.backend.name, batch.forward_mode.name
-            )
-            self.capture()
+        mode = self._check_mode(batch)
+        if mode in self.modes:
+            self._check_step(batch, inputs)
+            if not self.capture_ran:
+                logger.info("GraphRunner(%s): capturing on first use (first %s step)", self.backend.name, mode.name)
+                self.capture()
         captured = self._route(batch)
         if captured is None:
             return False
         static = captured.batch
         n = batch.num_tokens
-        self._check_inputs(inputs, n)
+        self._use_own_graph_state()
         if self.backend_copies_batch:
             self._copy_inputs(inputs, n)
         else:
@@ -356,11 +376,26 @@ class GraphRunner(StaticBuffers):
 
     def replay(self) -> torch.Tensor:
         """Replay the graph of the step the last ``prepare()`` prepared (once) and return its
-        first ``T`` output rows: a view of the static output, valid until the next replay."""
+        first ``T`` output rows: a view of the static output, valid until the next replay.
+        Refused when another runner of the backend prepared a step in between (the backend's
+        replay metadata is then that runner's: ``prepare`` again)."""
         prepared = self._prepared
         if prepared is None:
             raise RuntimeError("replay() needs a step prepared by prepare() (which returned True) and not replayed yet")
         self._prepared = None
+        state = self._graph_state
+        if state is not None and self.backend.get_cuda_graph_state() is not state:
+            raise RuntimeError(
+                f"replay(): another GraphRunner of backend {self.backend.name!r} prepared a step since this "
+                "runner's prepare(); prepare this step again, then replay"
+            )
         captured, n = prepared
         captured.graph.replay()
         return captured.output_rows(n)
+
+    def _use_own_graph_state(self) -> None:
+        """Switch the backend to this runner's graph state (the buffers its graphs read) when
+        another runner's is in use (see ``runner_args``)."""
+        state = self._graph_state
+        if state is not None and self.backend.get_cuda_graph_state() is not state:
+            self.backend.set_cuda_graph_state(state)

@@ -16,9 +16,18 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-from ..batch import ForwardBatch
+from ..batch import ForwardBatch, ForwardMode
 
 __all__ = ["StaticBuffers", "with_seq_lens_cpu"]
+
+_INDEX = (torch.int64, torch.int32)  # request fields: int32 widens exactly into the int64 buffers
+_INT64 = (torch.int64,)
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+    return repr(t)
 
 
 class StaticBuffers:
@@ -44,6 +53,17 @@ class StaticBuffers:
             name: torch.zeros((n, *shape), dtype=dtype, device=dev) for name, (shape, dtype) in inputs.items()
         }
         self._input_names = tuple(self.inputs)
+        self._device = dev = self.req_pool_indices.device
+        # What _check_step compares on the replay path: (dtype, device) of the batch fields,
+        # and per input (name, buffer, per-token shape, (dtype, device)).
+        self._slot_sig = (torch.int64, dev)
+        self._index_sigs = frozenset((d, dev) for d in _INDEX)
+        self._input_specs = tuple((k, buf, buf.shape[1:], (buf.dtype, buf.device)) for k, buf in self.inputs.items())
+        #: storages of every static buffer: an input living there must be the in-place view
+        self._static_storages = frozenset(
+            t.untyped_storage().data_ptr()
+            for t in (self.req_pool_indices, self.seq_lens, self.out_cache_loc, self.positions, *self.inputs.values())
+        )
         # Replay-path caches: views per size, and how far each static buffer may hold values
         # other than padding (rows past it hold padding: no fill needed there).
         self._request_views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -89,13 +109,126 @@ class StaticBuffers:
             self._dirty_positions = n
         self._pad_tokens(n, with_out_cache_loc=True)
 
+    # ------------------------------------------------------------------ what fits
+    @staticmethod
+    def _check_mode(batch: ForwardBatch) -> ForwardMode:
+        """The step's mode; refuses what is not a ``ForwardBatch`` with a ``ForwardMode``."""
+        if not isinstance(batch, ForwardBatch):
+            raise ValueError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
+        mode = batch.forward_mode
+        if not isinstance(mode, ForwardMode):
+            raise ValueError(f"batch.forward_mode must be a ForwardMode, got {mode!r}")
+        return mode
+
+    def _check_step(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Refuse, naming the field and the value, a step of a captured mode that the captured
+        buffers cannot take as it is (a copy would broadcast, cast, read past it or keep an
+        earlier step's values): host metadata only, never a device read. Also for steps that
+        will run eagerly (too large, another ``num_draft_tokens``): whether a step is accepted
+        never depends on its size. A few host comparisons per field (replay preparation is hot);
+        ``_explain_step`` / ``_explain_inputs`` find and name what does not fit."""
+        bs, loc, pos = batch.batch_size, batch.out_cache_loc, batch.positions
+        try:
+            n = loc.shape[0]
+            q_len = batch.q_len
+            sigs = self._index_sigs
+            fits = (
+                type(bs) is int
+                and bs >= 1
+                and pos is not None
+                and (q_len is None or n == bs * q_len)
+                and loc.shape == (n,)
+                and pos.shape == (n,)
+                and batch.req_pool_indices.shape == (bs,)
+                and batch.seq_lens.shape == (bs,)
+                and (loc.dtype, loc.device) == self._slot_sig
+                and (pos.dtype, pos.device) == self._slot_sig
+                and (batch.req_pool_indices.dtype, batch.req_pool_indices.device) in sigs
+                and (batch.seq_lens.dtype, batch.seq_lens.device) in sigs
+            )
+        except (AttributeError, IndexError, TypeError):
+            fits = False
+        if not fits:
+            self._explain_step(batch)
+        if self.needs_cpu_seq_lens:
+            host = batch.seq_lens_cpu
+            if host is None or len(host) != bs:
+                raise ValueError(
+                    f"batch.seq_lens_cpu is {host!r}: the backend needs the host mirror of seq_lens "
+                    f"({bs} ints; needs_cpu_seq_lens is True)"
+                )
+        self._check_inputs(inputs, n)
+
+    def _explain_step(self, batch: ForwardBatch) -> None:
+        """Raise ``ValueError`` naming the first batch field that does not fit (see
+        ``_check_step``)."""
+        mode, bs = batch.forward_mode, batch.batch_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"batch.batch_size must be an int >= 1 in {mode.name} mode, got {bs!r}")
+        loc = batch.out_cache_loc
+        if not isinstance(loc, torch.Tensor) or loc.dim() != 1:
+            raise ValueError(f"batch.out_cache_loc must be a 1-D tensor of slots, got {_describe(loc)}")
+        n = loc.shape[0]
+        q_len = batch.q_len
+        if q_len is not None and n != bs * q_len:
+            raise ValueError(
+                f"batch.out_cache_loc has {n} tokens; a {mode.name} batch of {bs} requests has {bs} x {q_len}"
+            )
+        if batch.positions is None:
+            raise ValueError(
+                f"batch.positions is None: a {mode.name} step must give the position of each of its {n} tokens "
+                "(the captured graphs read the runner's static positions, which would still hold an earlier "
+                "step's; a step without positions is refused whether it would replay or run eagerly)"
+            )
+        device = self._device
+        for name, t, rows, dtypes in (
+            ("req_pool_indices", batch.req_pool_indices, bs, _INDEX),
+            ("seq_lens", batch.seq_lens, bs, _INDEX),
+            ("out_cache_loc", loc, n, _INT64),
+            ("positions", batch.positions, n, _INT64),
+        ):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != rows:
+                raise ValueError(f"batch.{name} is {_describe(t)}; the captured buffer takes [{rows}] (the step's)")
+            if t.dtype not in dtypes or t.device != device:
+                raise ValueError(
+                    f"batch.{name} is {t.dtype} on {t.device}; the captured buffer takes "
+                    f"{' or '.join(map(str, dtypes))} on {device} (never cast or moved silently)"
+                )
+        raise ValueError(f"the batch does not fit the captured buffers: {batch!r}")  # not reached
+
     def _check_inputs(self, inputs: Mapping[str, torch.Tensor], n: int) -> None:
         """Refuse, naming the input, what the captured buffers cannot take as it is: a missing
-        input, another dtype or device, other per-token dims, fewer than ``n`` rows (a copy
-        would broadcast, cast or read past them). Host metadata only (no device read)."""
+        input or one the graphs do not read, another dtype or device, other per-token dims,
+        fewer than ``n`` rows, or another part of the runner's own static buffers (a copy
+        would broadcast, cast, read past them or overwrite its own source). Host metadata only
+        (no device read)."""
+        if (type(inputs) is not dict and not isinstance(inputs, Mapping)) or len(inputs) != len(self._input_specs):
+            self._explain_inputs(inputs, n)
+        storages = self._static_storages
+        for name, static, tail, sig in self._input_specs:
+            x = inputs.get(name)
+            try:
+                fits = x.shape[1:] == tail and x.shape[0] >= n and (x.dtype, x.device) == sig
+                if fits and x.untyped_storage().data_ptr() in storages:
+                    fits = x.data_ptr() == static.data_ptr() and x.stride() == static.stride()
+            except (AttributeError, IndexError):
+                fits = False
+            if not fits:
+                self._explain_inputs(inputs, n)
+
+    def _explain_inputs(self, inputs: Mapping[str, torch.Tensor], n: int) -> None:
+        """Raise ``ValueError`` naming the first input that does not fit (``_check_inputs``)."""
+        if not isinstance(inputs, Mapping):
+            raise ValueError(f"inputs must map each input's name to a tensor, got {type(inputs).__name__}")
+        for name in inputs:
+            if name not in self.inputs:
+                raise ValueError(
+                    f"inputs[{name!r}] is not an input of this runner: its captured graphs read "
+                    f"{list(self._input_names)} only"
+                )
         for name in self._input_names:
             static = self.inputs[name]
-            x = inputs.get(name) if isinstance(inputs, Mapping) else None
+            x = inputs.get(name)
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"inputs[{name!r}] must be a tensor [>= {n}, *{tuple(static.shape[1:])}], got {x!r}")
             if x.dim() != static.dim() or x.shape[1:] != static.shape[1:] or x.shape[0] < n:
@@ -108,6 +241,14 @@ class StaticBuffers:
                     f"inputs[{name!r}] is {x.dtype} on {x.device}; the captured buffer is {static.dtype} on "
                     f"{static.device} (never cast or moved silently)"
                 )
+            if x.untyped_storage().data_ptr() in self._static_storages and not (
+                x.data_ptr() == static.data_ptr() and x.stride() == static.stride()
+            ):
+                raise ValueError(
+                    f"inputs[{name!r}] is another part of the runner's static buffers (only "
+                    f"runner.inputs[{name!r}][:T] itself is taken in place); clone() it first"
+                )
+        raise ValueError(f"inputs do not fit the captured buffers: {sorted(inputs)}")  # not reached
 
     def _copy_inputs(self, inputs: Mapping[str, torch.Tensor], n: int) -> None:
         """The model inputs only (the backend copies the batch itself)."""
@@ -121,11 +262,12 @@ class StaticBuffers:
         self._pad_tokens(n, with_out_cache_loc=False)
 
     def _add_inputs(self, dst: list, src: list, inputs: Mapping[str, torch.Tensor], tok: tuple, n: int) -> None:
-        """Queue each input's copy, except an input the engine wrote in place: the view
-        ``runner.inputs[name][:T]`` itself (same memory, same layout: nothing to copy)."""
+        """Queue each input's copy, except an input the engine wrote in place: a view of
+        ``runner.inputs[name]`` from row 0 with its layout (``[:T]`` is the same memory:
+        nothing to copy)."""
         for name, view in zip(self._input_names, tok[2:]):
             x = inputs[name]
-            if x.data_ptr() == view.data_ptr() and x.shape == view.shape and x.stride() == view.stride():
+            if x.data_ptr() == view.data_ptr() and x.stride() == view.stride():
                 continue
             dst.append(view)
             src.append(x if x.shape[0] == n else x[:n])

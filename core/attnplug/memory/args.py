@@ -2,7 +2,10 @@
 
 A slot, a length or a row is an integer: Python ``bool`` (an ``int`` subclass), floats,
 strings and ``None`` are refused rather than coerced, so ``free([s + 0.7])`` cannot free slot
-``s`` and ``free(True)`` cannot free row 1. Every message names the argument and the value.
+``s`` and ``free(True)`` cannot free row 1. Index tensors are int32 or int64: a uint8 or bool
+tensor indexes as a mask in PyTorch and narrow integers wrap (slot 300 as uint8 is 44), so
+they are refused, as are meta tensors (no values). Every message names the argument and the
+value.
 """
 
 from __future__ import annotations
@@ -14,10 +17,29 @@ import torch
 
 from .errors import KVSlotError
 
-__all__ = ["HostInts", "host_int", "host_ints", "first"]
+__all__ = ["HostInts", "INDEX_DTYPES", "host_int", "host_ints", "first", "index_dtype_problem"]
 
 HostInts = Union[torch.Tensor, Sequence[int]]
 _SHOWN = 8  # offending values named in an error message
+
+#: the dtypes of slot, row and length tensors
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def index_dtype_problem(t: torch.Tensor) -> Optional[str]:
+    """Why ``t`` cannot be a tensor of slots / rows / lengths (None: it can): a meta tensor,
+    or a dtype other than int32 / int64. Reads no value."""
+    if t.device.type == "meta":
+        return "is a meta tensor (it has no values)"
+    if t.dtype not in INDEX_DTYPES:
+        if t.dtype in (torch.bool, torch.uint8):
+            kind = "a mask when used as an index"
+        elif t.dtype.is_floating_point or t.dtype.is_complex:
+            kind = "not integers"
+        else:
+            kind = "a narrow integer type: values wrap"
+        return f"must be int32 or int64, got {str(t.dtype).replace('torch.', '')} ({kind})"
+    return None
 
 
 def first(values: torch.Tensor) -> str:
@@ -36,6 +58,8 @@ def host_int(
     ``bool``."""
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise error(f"{name} must be an int, got the bool {value!r}")
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        raise error(f"{name} must be an int, got a meta tensor (it has no value)")
     try:
         result = operator.index(value)
     except TypeError:
@@ -67,7 +91,10 @@ def host_ints(values: HostInts, name: str) -> torch.Tensor:
             return torch.zeros(0, dtype=torch.int64)
     if tensor.dtype == torch.bool:
         raise KVSlotError(f"{name} must hold integers, got a bool tensor")
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+    if tensor.device.type != "meta" and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         shown = first(tensor.detach().to("cpu"))
         raise KVSlotError(f"{name} must hold integers, got {tensor.dtype} values {shown}")
+    problem = index_dtype_problem(tensor)
+    if problem:
+        raise KVSlotError(f"{name} {problem}")
     return tensor.detach().to(device="cpu", dtype=torch.int64).reshape(-1)

@@ -78,6 +78,10 @@ class ReqToTokenPool:
         """Number of free rows (host int)."""
         return len(self._free_rows)
 
+    def rows_in_use(self) -> List[int]:
+        """The rows handed out and not yet freed, ascending (host ints)."""
+        return [row for row, used in enumerate(self._in_use) if used]
+
     def check_in_use(self, rows, name: str = "req_pool_indices", *, allow_padding_row: bool = False) -> None:
         """Raise ``KVSlotError`` naming ``name`` unless every entry of ``rows`` (host ints or a
         tensor of any device and shape; a device tensor is copied to the host, which syncs) is a

@@ -34,7 +34,7 @@ from typing import FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 
-from .args import first, host_int
+from .args import first, host_int, index_dtype_problem
 from .errors import KVSlotError
 
 __all__ = ["SWAKVPool", "KV_DTYPES"]
@@ -154,8 +154,10 @@ class SWAKVPool:
         """SWA slots of the full slots ``loc`` (any shape, int32/int64, device): a device
         gather returning int32 of ``loc``'s shape; 0 where no SWA slot is live, -1 for -1 and
         for any value outside ``[-1, size + page_size)`` (never an out-of-bounds read).
-        No host sync. Call it once per step (metadata preparation), never per layer."""
+        No host sync. Call it once per step (metadata preparation), never per layer.
+        ``loc`` on another device, a meta tensor or another dtype raises ``KVSlotError``."""
         mapping = self.full_to_swa_index_mapping
+        self._check_index_tensor(loc, "loc", "translate_loc_from_full_to_swa")
         safe = torch.where((loc >= -1) & (loc < mapping.shape[0] - 1), loc, -1)
         return mapping[safe]
 
@@ -191,6 +193,8 @@ class SWAKVPool:
         for name, t in (("k", k), ("v", v), ("loc", loc), ("swa_loc", swa_loc)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise KVSlotError(f"layer {layer_id}: {name} must be a tensor, got {type(t).__name__} {t!r}")
+            if t is not None and t.device != self.device:
+                raise KVSlotError(f"layer {layer_id}: {name} is on {t.device}, the pool on {self.device}")
         n = k.shape[0]
         expected = (n, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
@@ -199,7 +203,10 @@ class SWAKVPool:
                     f"layer {layer_id}: {name} must be {list(expected)} {self.dtype}, got {list(t.shape)} {t.dtype}"
                 )
         for name, t in (("loc", loc), ("swa_loc", swa_loc)):
-            if t is not None and (t.dim() != 1 or t.shape[0] != n or t.dtype not in (torch.int32, torch.int64)):
+            if t is None:
+                continue
+            self._check_index_tensor(t, name, f"layer {layer_id}")
+            if t.dim() != 1 or t.shape[0] != n:
                 raise KVSlotError(f"layer {layer_id}: {name} must be [{n}] int32/int64, got {list(t.shape)} {t.dtype}")
         num_slots = self.num_slots(layer_id)
         checked = [("loc", loc, self.size + self.page_size)]
@@ -222,6 +229,16 @@ class SWAKVPool:
             index = torch.where((index >= 0) & (index < num_slots), index, 0)
         self.k_buffer[layer_id][index] = k
         self.v_buffer[layer_id][index] = v
+
+    def _check_index_tensor(self, t, name: str, where: str) -> None:
+        """``t`` is an int32/int64 tensor on the pool's device (host metadata only)."""
+        if not isinstance(t, torch.Tensor):
+            raise KVSlotError(f"{where}: {name} must be a tensor, got {type(t).__name__} {t!r}")
+        problem = index_dtype_problem(t)
+        if problem:
+            raise KVSlotError(f"{where}: {name} {problem}")
+        if t.device != self.device:
+            raise KVSlotError(f"{where}: {name} is on {t.device}, the pool on {self.device}")
 
     def _check_layer(self, layer_id: int) -> None:
         host_int(layer_id, "layer_id", lo=0, hi=self.num_layers - 1)

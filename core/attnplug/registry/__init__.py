@@ -10,10 +10,13 @@ Public API (also reachable lazily from ``attnplug``):
 * errors ``RegistryError`` > ``BackendNotFound`` / ``BackendUnavailable`` / ``AmbiguousBackend``;
 * for tests and tools: ``load_registry(...)``, ``get_registry()``, ``reset_registry()``.
 
-Plugin code cannot break selection (``containment``): failures are recorded, probes and
-``describe()`` run under ``$ATTNPLUG_PROBE_TIMEOUT`` seconds, registry calls from plugin code
-raise ``RegistryError``. The attnplug distribution's own backend names cannot be taken by another
-distribution (``discovery``).
+Plugin code cannot break selection (``containment``): failures are recorded; every piece of
+plugin code (import, hook, probe, backend class import, ``describe()``) runs under
+``$ATTNPLUG_PROBE_TIMEOUT`` seconds; the probes, trial class imports and ``describe()`` of
+third-party plugins run in a child process (``sandbox``), so none can end, hang or reconfigure
+the selecting process; what plugin code changed is undone or ignored and listed
+(``PluginNote``); registry calls from plugin code raise ``RegistryError``. The attnplug
+distribution's own backend names cannot be taken by another distribution (``discovery``).
 """
 
 from ..env import DEFAULT_PROBE_TIMEOUT
@@ -25,6 +28,7 @@ from .records import (
     BackendRecord,
     BackendUnavailable,
     PluginError,
+    PluginNote,
     ProbeResult,
     RegistryError,
 )
@@ -52,6 +56,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "PLUGIN_API_VERSION",
     "PluginError",
+    "PluginNote",
     "ProbeResult",
     "Registry",
     "RegistryError",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import pluggy
 
-__all__ = ["PLUGIN_API_VERSION", "PROJECT_NAME", "hookspec", "hookimpl", "AttnplugHookspecs"]
+__all__ = ["HOOK_NAME", "PLUGIN_API_VERSION", "PROJECT_NAME", "hookspec", "hookimpl", "AttnplugHookspecs"]
 
 #: version of the plugin contract (``AttnplugHookspecs``); a plugin declares the version it was
 #: written for and is skipped when the major differs
@@ -36,6 +36,9 @@ PLUGIN_API_VERSION = "1.0"
 
 #: the pluggy project name shared by the hook specification and every implementation
 PROJECT_NAME = "attnplug"
+
+#: the one hook
+HOOK_NAME = "attnplug_register_backends"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -72,7 +75,9 @@ class AttnplugHookspecs:
             only when the backend is selected (or listed as available), never at registration,
             so the plugin module itself stays importable on any machine. A target that fails
             to import or is not an ``AttentionBackend`` subclass makes the backend unavailable,
-            with that reason.
+            with that reason. A third-party target is imported in the probe process first;
+            only if that import returns a backend class within the time limit, without ending
+            the process or leaving a thread running, is it imported in the caller's process.
 
         ``probe`` (callable, no arguments)
             Says whether the backend can run in this process. Returns either a
@@ -86,10 +91,18 @@ class AttnplugHookspecs:
             * may import vendor modules (lazily, inside the probe) and must be cheap: it runs
               for ``attnplug info`` and for automatic backend selection;
             * may raise: the exception (``SystemExit`` included) is caught and reported as the
-              reason the backend is unavailable. It is run at most once per registry, in a
-              thread of its own, under a time limit (``ATTNPLUG_PROBE_TIMEOUT`` seconds, default
-              10): a probe that takes longer makes the backend unavailable ("probe timed out
-              after N s") and is left running in the background, its answer ignored.
+              reason the backend is unavailable. It is run at most once per registry, under a
+              time limit (``ATTNPLUG_PROBE_TIMEOUT`` seconds, default 5): a probe that takes
+              longer makes the backend unavailable ("probe timed out after N s");
+            * runs, for a plugin that is not part of the attnplug distribution, in the probe
+              process: a child process that imports the plugin again, calls this hook again
+              and then the probe, with the caller's ``os.environ`` and ``sys.path``. So it must
+              not rely on state another part of the plugin set in the caller's process, and
+              what it does to its process stays there: a probe that ends the process
+              (``os._exit``, a crash) or leaves a non-daemon thread running makes the backend
+              unavailable with that reason ("probe exited the process with code 3"), and its
+              changes to ``os.environ``, torch's default dtype or random state are ignored and
+              listed by ``attnplug info`` ("the probe changed os.environ X (ignored)").
 
         ``priority`` (int)
             Used only when no backend is named (neither ``get_backend(name)`` nor
@@ -102,10 +115,13 @@ class AttnplugHookspecs:
         ``attnplug.registry.PLUGIN_API_VERSION``, or that declares none, is skipped and listed
         with the reason; minor versions are compatible.
 
-        Isolation: each plugin is loaded and called on its own. If importing it or this hook
-        raises (anything but ``KeyboardInterrupt``, ``SystemExit`` included), none of its
-        registrations are kept, the error is recorded (``attnplug info`` shows it) and every
-        other plugin loads normally. A backend is an error only when the user selects it; the
+        Isolation: each plugin is loaded and called on its own, each step (its import, reading
+        ``PLUGIN_API_VERSION``, this hook) in a worker thread under the time limit. If a step
+        raises (anything, ``SystemExit`` and ``KeyboardInterrupt`` included: a signal reaches
+        the caller's thread, not the plugin's) or outlives the limit, none of its registrations
+        are kept, the error is recorded (``attnplug info`` shows it) and every other plugin
+        loads normally. What a step changes in ``os.environ``, torch's default dtype or random
+        state is undone and listed. A backend is an error only when the user selects it; the
         error carries the recorded reason. Plugin code (its import, this hook, a probe, the
         backend module's import, ``describe()``) must not call the registry
         (``attnplug.get_backend()``, ``available_backends()``, ...): such a call raises

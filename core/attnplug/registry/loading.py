@@ -1,14 +1,23 @@
 """Loading the planned plugins, each one on its own.
 
 ``load_plugins(plan, extra_plugins, allow)`` imports every entry point the discovery ``plan``
-keeps (and every injected object), checks its ``PLUGIN_API_VERSION``, registers it with pluggy,
-calls its ``attnplug_register_backends`` hook with a ``register`` that validates its arguments,
-and settles who keeps each backend name (``_settle_names``). Whatever goes wrong with one plugin
-is returned as a ``PluginError`` against that plugin; the others load normally.
+keeps (and every injected object), checks its ``PLUGIN_API_VERSION``, registers it with a pluggy
+plugin manager of its own, calls its ``attnplug_register_backends`` hook with a ``register`` that
+validates its arguments, and settles who keeps each backend name (``_settle_names``). Whatever
+goes wrong with one plugin is returned as a ``PluginError`` against that plugin; the others load
+normally.
+
+Each of those steps runs plugin code, so each runs in a guarded thread under the time limit
+(``containment.run_contained``, ``$ATTNPLUG_PROBE_TIMEOUT``): an import or hook that hangs is
+reported (``"importing 'mod' timed out after 5 s"``) and left behind, and what a step changed in
+``os.environ``, torch's default dtype or random state is undone and returned as a
+``PluginNote``. A plugin manager per plugin keeps a step left running from touching another
+plugin's hook.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import re
@@ -22,14 +31,14 @@ import pluggy
 from .. import env
 from ..versions import api_version
 from . import hookspecs
-from .containment import contained, exc_text, short_repr
+from .containment import Outcome, exc_text, probe_timeout, run_contained, short_repr
 from .discovery import CORE_DISTRIBUTION, Plan, normalize
-from .hookspecs import PLUGIN_API_VERSION, PROJECT_NAME
-from .records import BackendRecord, PluginError
+from .hookspecs import HOOK_NAME, PLUGIN_API_VERSION, PROJECT_NAME
+from .records import BackendRecord, PluginError, PluginNote
 
-__all__ = ["load_plugins"]
+__all__ = ["hook_records", "load_plugins"]
 
-_HOOK = "attnplug_register_backends"
+_HOOK = HOOK_NAME
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _TARGET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 #: an entry-point value as ``importlib.metadata`` parses it: ``module``, ``module:attr``, ``[extras]``
@@ -45,7 +54,9 @@ def _label(plugin: str, distribution: Optional[str], version: Optional[str]) -> 
 @dataclass(frozen=True)
 class _Source:
     """Where one plugin comes from: an entry point, or an object injected by a test.
-    ``malformed``: why the entry point cannot even be imported (its value does not parse)."""
+    ``malformed``: why the entry point cannot even be imported (its value does not parse).
+    ``isolated``: an entry point of another distribution than attnplug's; its probes run in the
+    probe process (``sandbox``)."""
 
     name: str
     entry_point: str
@@ -53,6 +64,7 @@ class _Source:
     version: Optional[str]
     load: Callable[[], Any]
     malformed: Optional[str] = None
+    isolated: bool = False
 
     @property
     def is_core(self) -> bool:
@@ -75,7 +87,8 @@ class _Source:
                 f"entry point {ep.name} = {ep.value!r} is malformed: expected 'module' or "
                 "'module:attribute' (dotted Python names)"
             )
-        return cls(ep.name, ep.value, dist_name, dist_version, ep.load, malformed)
+        isolated = normalize(dist_name) != CORE_DISTRIBUTION
+        return cls(ep.name, ep.value, dist_name, dist_version, ep.load, malformed, isolated)
 
     @classmethod
     def from_object(cls, item: Any) -> "_Source":
@@ -104,6 +117,18 @@ class _Source:
             version=self.version,
             backend=backend,
         )
+
+    def note(self, text: str) -> PluginNote:
+        return PluginNote(
+            plugin=self.name,
+            entry_point=self.entry_point,
+            note=text,
+            distribution=self.distribution,
+            version=self.version,
+        )
+
+    def with_distribution(self, distribution: Optional[str], version: Optional[str]) -> "_Source":
+        return dataclasses.replace(self, distribution=distribution, version=version)
 
 
 def _declared_api_version(plugin: Any) -> Optional[Any]:
@@ -151,25 +176,67 @@ class _Registration:
                 entry_point=src.entry_point,
                 distribution=src.distribution,
                 version=src.version,
+                isolated=src.isolated,
             )
         )
 
 
+def _manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs.AttnplugHookspecs)
+    return pm
+
+
+def _pm_name(source: _Source) -> str:
+    return f"{source.distribution or '<injected>'}:{source.name}"
+
+
+def hook_records(source: _Source, plugin: Any) -> List[BackendRecord]:
+    """Register ``plugin`` with a plugin manager of its own and call its hook in this thread,
+    uncontained; its registrations. The probe process loads a plugin again this way to reach
+    its probes."""
+    pm = _manager()
+    pm.register(plugin, name=_pm_name(source))
+    pm.check_pending()
+    registration = _Registration(source)
+    try:
+        pm.hook.attnplug_register_backends(register=registration)
+    finally:
+        registration.closed = True
+    return registration.records
+
+
+def _step_notes(source: _Source, subject: str, outcome: Outcome) -> List[PluginNote]:
+    notes = [source.note(f"{subject} {change} (undone)") for change in outcome.changes]
+    if outcome.threads:
+        notes.append(
+            source.note(
+                f"{subject} left a non-daemon thread running ({', '.join(outcome.threads)}): "
+                "this process cannot exit until it ends"
+            )
+        )
+    return notes
+
+
 def load_plugins(
     loading: Plan, extra_plugins: Iterable[Any] = (), allow_list: Optional[Tuple[str, ...]] = None
-) -> Tuple[List[BackendRecord], List[PluginError]]:
+) -> Tuple[List[BackendRecord], List[PluginError], List[PluginNote]]:
     """Load and call every plugin of ``loading`` then every one of ``extra_plugins``; return
-    the accepted registrations and every problem met (``loading.errors`` first).
+    the accepted registrations, every problem met (``loading.errors`` first) and what the
+    plugins' code did to the process (undone).
 
     * ``extra_plugins``: plugins without an entry point, loaded after the entry points the same
       way (version check, hook, isolation): modules or objects holding a hookimpl, or
       ``(name, object)`` pairs.
     * ``allow_list``: the plugin names to load (``None``: all); the others are ``disabled``.
-    """
-    pm = pluggy.PluginManager(PROJECT_NAME)
-    pm.add_hookspecs(hookspecs.AttnplugHookspecs)
 
+    Every step that runs plugin code runs under ``$ATTNPLUG_PROBE_TIMEOUT`` (a malformed value
+    raises ``RegistryError``).
+    """
+    limit = probe_timeout()
+    late = f"timed out after {'the time limit' if limit is None else f'{limit:g} s'}"
     errors: List[PluginError] = list(loading.errors)
+    notes: List[PluginNote] = []
     sources = [_Source.from_entry_point(ep) for ep in loading.entry_points] + [
         _Source.from_object(p) for p in extra_plugins
     ]
@@ -187,8 +254,8 @@ def load_plugins(
                         f"(installed: {', '.join(sorted(known)) or 'none'})",
                     )
                 )
-    loaded: List[Tuple[str, _Source, Any]] = []  # (pluggy name, source, plugin object)
-    taken_pm_names: set = set()
+    loaded_objects: List[Tuple[Any, _Source]] = []
+    claims: Dict[str, List[Tuple[_Source, BackendRecord]]] = {}
     for source in sources:
         if allow_list is not None and source.name not in allow_list:
             errors.append(source.error("disabled", f"not in {env.PLUGINS.name}={','.join(allow_list)}"))
@@ -196,12 +263,30 @@ def load_plugins(
         if source.malformed:
             errors.append(source.error("invalid", source.malformed))
             continue
-        imported = contained(source.load, f"the import of {source.describe()}")
+        imported = run_contained(source.load, f"the import of {source.describe()}", limit)
+        notes += _step_notes(source, "importing it", imported)
+        if imported.timed_out:
+            errors.append(
+                source.error("import", f"importing {source.entry_point!r} {late} (left running in a background thread)")
+            )
+            continue
         if not imported.ok:
             errors.append(source.error("import", imported.error))
             continue
         plugin = imported.value
-        declared = contained(functools.partial(_declared_api_version, plugin), f"{source.describe()}")
+        twin = next((other for obj, other in loaded_objects if obj is plugin), None)
+        if twin is not None:
+            errors.append(
+                source.error(
+                    "invalid", f"this plugin object is already loaded as {twin.describe()} ({twin.entry_point})"
+                )
+            )
+            continue
+        declared = run_contained(functools.partial(_declared_api_version, plugin), f"{source.describe()}", limit)
+        notes += _step_notes(source, "reading its PLUGIN_API_VERSION", declared)
+        if declared.timed_out:
+            errors.append(source.error("api-version", f"reading PLUGIN_API_VERSION {late}"))
+            continue
         if not declared.ok:
             errors.append(source.error("api-version", f"reading PLUGIN_API_VERSION raised {declared.error}"))
             continue
@@ -209,40 +294,37 @@ def load_plugins(
         if problem:
             errors.append(source.error("api-version", problem))
             continue
-        pm_name = f"{source.distribution or '<injected>'}:{source.name}"
-        base, n = pm_name, 1
-        while pm_name in taken_pm_names:
-            n += 1
-            pm_name = f"{base}#{n}"
-        registered = contained(functools.partial(pm.register, plugin, name=pm_name), f"{source.describe()}")
-        if not registered.ok:  # PluginValidationError (bad hookimpl), the same object twice, or plugin code
-            errors.append(source.error("invalid", registered.error))
+        pm = _manager()
+        registered = run_contained(
+            functools.partial(pm.register, plugin, name=_pm_name(source)), f"{source.describe()}", limit
+        )
+        notes += _step_notes(source, "registering it with pluggy", registered)
+        if not registered.ok:  # PluginValidationError (bad hookimpl), or plugin code that raised or hung
+            why = f"registering it with pluggy {late}" if registered.timed_out else registered.error
+            errors.append(source.error("invalid", why))
             continue
-        taken_pm_names.add(pm_name)
-        loaded.append((pm_name, source, plugin))
-
-    # Hook implementations for hooks nobody specifies (a typo in the hook name). Checked for the
-    # whole manager as pluggy intends; an offending plugin is dropped and recorded, the rest stay.
-    by_pm_name = {pm_name: source for pm_name, source, _ in loaded}
-    for _ in range(len(loaded) + 1):
         try:
-            pm.check_pending()
-            break
+            pm.check_pending()  # a hook implementation for a hook nobody specifies (a typo in its name)
         except pluggy.PluginValidationError as exc:
-            pm_name = pm.get_name(exc.plugin)
-            source = by_pm_name.get(pm_name) if pm_name else None
-            pm.unregister(exc.plugin)
-            loaded = [item for item in loaded if item[0] != pm_name]
-            if source is not None:
-                errors.append(source.error("invalid", exc_text(exc)))
-
-    claims: Dict[str, List[Tuple[_Source, BackendRecord]]] = {}
-    for pm_name, source, _plugin in loaded:
-        others = [p for other_name, _, p in loaded if other_name != pm_name]
-        caller = pm.subset_hook_caller(_HOOK, remove_plugins=others)
+            errors.append(source.error("invalid", exc_text(exc)))
+            continue
+        loaded_objects.append((plugin, source))
         registration = _Registration(source)
-        called = contained(functools.partial(caller, register=registration), f"the {_HOOK} hook of {source.describe()}")
+        called = run_contained(
+            functools.partial(pm.hook.attnplug_register_backends, register=registration),
+            f"the {_HOOK} hook of {source.describe()}",
+            limit,
+        )
         registration.closed = True
+        notes += _step_notes(source, f"its {_HOOK} hook", called)
+        if called.timed_out:
+            errors.append(
+                source.error(
+                    "hook",
+                    f"{_HOOK} {late} (left running in a background thread; none of its registrations are kept)",
+                )
+            )
+            continue
         if not called.ok:
             errors.append(source.error("hook", f"{_HOOK} raised {called.error}"))
             continue
@@ -255,7 +337,7 @@ def load_plugins(
             claims.setdefault(record.name, []).append((source, record))
 
     records, refused = _settle_names(claims, loading.core)
-    return records, errors + refused
+    return records, errors + refused, notes
 
 
 def _api_version_problem(declared: Any) -> Optional[str]:

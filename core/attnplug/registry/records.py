@@ -6,6 +6,8 @@
   was built for another plugin API, raised in its hook, or a rejected registration). It is
   data, not an exception: it is listed by ``attnplug info`` and becomes an exception only when
   the user selects the backend it concerns.
+* ``PluginNote``: something a plugin's code did to the process that attnplug undid or ignored
+  (changed ``os.environ``, torch's default dtype or random state, left a thread running).
 * ``BackendInfo``: the public description of one backend, as ``available_backends()`` returns
   it.
 """
@@ -19,6 +21,7 @@ __all__ = [
     "ProbeResult",
     "BackendRecord",
     "PluginError",
+    "PluginNote",
     "BackendInfo",
     "RegistryError",
     "BackendNotFound",
@@ -50,7 +53,10 @@ class BackendRecord:
     ``target`` is the ``"module:Class"`` string given as ``backend=``; ``plugin`` the entry-point
     name (or the injected plugin's name), ``entry_point`` its value (``"module"`` or
     ``"module:attr"``), ``distribution`` / ``version`` the installed distribution that declared
-    the entry point (None for plugins injected without one).
+    the entry point (None for plugins injected without one). ``isolated``: the plugin's code at
+    selection time (probe, backend-class check, ``describe()``) runs in the probe process
+    (``sandbox``): true for every entry-point plugin that is not part of the attnplug
+    distribution.
     """
 
     name: str
@@ -61,10 +67,23 @@ class BackendRecord:
     entry_point: str
     distribution: Optional[str] = None
     version: Optional[str] = None
+    isolated: bool = field(default=False, compare=False)
+
+
+class _FromPlugin:
+    """What a record about one plugin's code shares (its fields ``plugin``, ``entry_point``,
+    ``distribution``, ``version``)."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def describe_source(self) -> str:
+        """``"plugin 'x' (dist 1.0, entry point mod)"``."""
+        return _source(self.plugin, self.distribution, self.version, self.entry_point)
 
 
 @dataclass(frozen=True)
-class PluginError:
+class PluginError(_FromPlugin):
     """A problem met while loading plugins; never raised, always listed.
 
     ``kind`` is one of:
@@ -94,12 +113,21 @@ class PluginError:
     version: Optional[str] = None
     backend: Optional[str] = None
 
-    def to_json(self) -> Dict[str, Any]:
-        return asdict(self)
 
-    def describe_source(self) -> str:
-        """``"plugin 'x' (dist 1.0, entry point mod)"``."""
-        return _source(self.plugin, self.distribution, self.version, self.entry_point)
+@dataclass(frozen=True)
+class PluginNote(_FromPlugin):
+    """What a plugin's code did to the process, which attnplug undid (it ran in this process)
+    or ignored (it ran in the probe process), e.g. ``"the probe changed os.environ
+    ATTNPLUG_BACKEND (ignored)"``. Never an error by itself; ``attnplug info`` shows it.
+    ``backend`` is set when the code was the backend's (its probe, class import or
+    ``describe()``), None for the plugin's import and hook."""
+
+    plugin: str
+    entry_point: str
+    note: str
+    distribution: Optional[str] = None
+    version: Optional[str] = None
+    backend: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +138,8 @@ class BackendInfo:
     filled only for available backends, from the class (never an instance, so nothing is
     allocated on a device): ``needs_cpu_seq_lens`` is the class attribute, ``capabilities`` the
     JSON-able dict returned by the class's optional ``describe()`` classmethod (None when the
-    class has none).
+    class has none). ``notes``: what the backend's code (probe, class import, ``describe()``)
+    did to the process that was undone or ignored (``PluginNote.note``).
     """
 
     name: str
@@ -125,6 +154,7 @@ class BackendInfo:
     device: Optional[str] = None
     needs_cpu_seq_lens: Optional[bool] = None
     capabilities: Optional[Dict[str, Any]] = None
+    notes: Tuple[str, ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)

@@ -15,25 +15,33 @@ Environment:
   others are listed as ``disabled``. Read when the registry is built.
 * ``ATTNPLUG_BACKEND=name``: the backend ``get_backend()`` returns when it is given no name.
   Read at every call.
-* ``ATTNPLUG_PROBE_TIMEOUT=seconds``: how long a probe or a backend class's ``describe()`` may
-  run (default 5); a probe that takes longer makes its backend unavailable ("probe timed out
-  after N s"). Read when the probe starts.
+* ``ATTNPLUG_PROBE_TIMEOUT=seconds``: how long each piece of plugin code run at selection time
+  may take (default 5): importing a plugin, its hook, a probe, importing a backend class,
+  ``describe()``. A probe that takes longer makes its backend unavailable ("probe timed out
+  after N s"); an import or hook that does fails its plugin. Read when the registry is built
+  and when each probe starts.
 
 All three are parsed by ``attnplug.env``; a malformed value raises ``RegistryError`` naming it.
 
 Trust: plugin code never breaks selection. Every call into a plugin is contained
-(``containment``): an exception, ``SystemExit`` included, is recorded against that plugin or
-backend only; probes and ``describe()`` run in their own thread under the time limit, with no
-registry lock held, so a slow probe delays only the callers that need its answer; a registry
-function called from plugin code the registry is running raises ``RegistryError`` instead of
-deadlocking. The backend names of the attnplug distribution's own plugins belong to it: another
-distribution cannot take them (``discovery``), and a backend name registered by two other
-plugins is given to neither.
+(``containment``) and timed: an exception, ``SystemExit`` included, is recorded against that
+plugin or backend only, and so is a call that outlives the time limit. The probes, trial
+class imports and ``describe()`` of third-party plugins run in the probe process (``sandbox``):
+one that ends the process (``os._exit``, a crash), hangs or leaves a non-daemon thread is
+reported as such and the process killed, and its changes to ``os.environ``, torch's default
+dtype or random state never reach the caller. What still runs here (plugin imports and hooks,
+backend class imports, and the attnplug distribution's own plugins) runs in a guarded thread:
+such changes are undone. Either way they are listed as ``PluginNote``s (``notes()``, ``attnplug
+info``). No registry lock is held while plugin code runs; a registry function called from plugin
+code the registry is running raises ``RegistryError`` instead of deadlocking. The backend names
+of the attnplug distribution's own plugins belong to it: another distribution cannot take them
+(``discovery``), and a backend name registered by two other plugins is given to neither.
 
 This module holds the ``Registry`` (what was loaded, the public queries, selection),
 ``load_registry`` and the process-wide registry; ``discovery`` decides which entry points to
 load, ``loading`` loads them, ``probing`` runs each backend's probe, class import and
-``describe()``, ``refusals`` words the errors selection raises.
+``describe()`` (here or through ``sandbox`` in the probe process, ``worker``), ``refusals`` words
+the errors selection raises.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from .discovery import ENTRY_POINT_GROUP, core_distributions, discover_entry_poi
 from .hookspecs import PLUGIN_API_VERSION, hookimpl
 from .loading import load_plugins
 from .probing import Prober
-from .records import BackendInfo, BackendRecord, PluginError, ProbeResult, RegistryError
+from .records import BackendInfo, BackendRecord, PluginError, PluginNote, ProbeResult, RegistryError
 
 __all__ = [
     "PLUGIN_API_VERSION",
@@ -78,17 +86,23 @@ def _allow_list_from_env() -> Optional[Tuple[str, ...]]:
 class Registry:
     """The loaded plugins: accepted backend records and the errors met while loading.
 
-    Build one with ``load_registry()``. Probes run lazily, at most once per backend, each in its
-    own thread under ``$ATTNPLUG_PROBE_TIMEOUT``; backend classes are imported only when a
-    backend is selected or listed as available. No lock is held while plugin code runs: a
-    thread waiting for a slow probe delays no thread that needs another backend.
+    Build one with ``load_registry()``. Probes run lazily, at most once per backend, under
+    ``$ATTNPLUG_PROBE_TIMEOUT`` (in the probe process for third-party plugins); backend classes
+    are imported only when a backend is selected or listed as available. No lock is held while
+    plugin code runs: a thread waiting for a slow probe delays no thread that needs another
+    backend.
     """
 
     def __init__(
-        self, records: Sequence[BackendRecord], errors: Sequence[PluginError], allow: Optional[Tuple[str, ...]] = None
+        self,
+        records: Sequence[BackendRecord],
+        errors: Sequence[PluginError],
+        allow: Optional[Tuple[str, ...]] = None,
+        notes: Sequence[PluginNote] = (),
     ) -> None:
         self._records: Dict[str, BackendRecord] = {r.name: r for r in records}
         self._errors: Tuple[PluginError, ...] = tuple(errors)
+        self._load_notes: Tuple[PluginNote, ...] = tuple(notes)
         self.allow = allow
         self._prober = Prober(self._records)
 
@@ -105,6 +119,26 @@ class Registry:
 
     def names(self) -> Tuple[str, ...]:
         return tuple(self._records)
+
+    def notes(self) -> List[PluginNote]:
+        """What plugin code did to the process that was undone or ignored: while loading
+        (``backend`` None), then in each backend's probe, class import or ``describe()`` run so
+        far (``backend`` set)."""
+        notes = list(self._load_notes)
+        for name, texts in self._prober.all_notes().items():
+            record = self._records[name]
+            notes += [
+                PluginNote(
+                    plugin=record.plugin,
+                    entry_point=record.entry_point,
+                    note=text,
+                    distribution=record.distribution,
+                    version=record.version,
+                    backend=name,
+                )
+                for text in texts
+            ]
+        return notes
 
     # ------------------------------------------------------------------ probing / resolving
     def probe(self, name: str) -> ProbeResult:
@@ -148,6 +182,7 @@ class Registry:
                     device=result.device,
                     needs_cpu_seq_lens=needs_cpu,
                     capabilities=caps,
+                    notes=self._prober.notes(record.name),
                 )
             )
         infos.sort(key=lambda info: (-info.priority, info.name))
@@ -239,8 +274,8 @@ def load_registry(
         loading = plan(discover_entry_points(), core_distributions())
     else:
         loading = plan(list(entry_points))
-    records, errors = load_plugins(loading, extra_plugins, allow_list)
-    return Registry(records, errors, allow_list)
+    records, errors, notes = load_plugins(loading, extra_plugins, allow_list)
+    return Registry(records, errors, allow_list, notes)
 
 
 # ---------------------------------------------------------------------------- process-wide registry

@@ -33,11 +33,18 @@ __all__ = [
 def run_soak(config: SoakConfig, *, backend_cls=None, log: Optional[Callable[[str], None]] = print) -> SoakReport:
     """Run ``config`` and return its report. ``backend_cls`` overrides ``config.backend``
     (the device is then ``config.device`` or the host). Raises ``SelectionError`` /
-    ``SoakSetupError`` / ``ValueError`` before the first step when the run cannot start;
-    failures during the run are in the report, never raised. Torch runs with
+    ``SoakSetupError`` / ``ValueError`` before the first step when the run cannot start
+    (an unusable ``config.device`` included); failures during the run are in the report,
+    never raised, and so is a Ctrl-C during the steps (``SoakReport.interrupted``). Torch runs with
     ``config.threads`` host threads meanwhile (restored afterwards)."""
     import torch
 
+    from ..cli_errors import device_problem
+
+    if config.device is not None:
+        problem = device_problem(config.device)
+        if problem:
+            raise SoakSetupError(f"--device {config.device!r}: {problem}")
     if backend_cls is None:
         resolved = resolve_backend(config.backend, config.device)
         backend_cls, device = resolved.cls, resolved.device

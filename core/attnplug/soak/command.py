@@ -2,15 +2,18 @@
 
 Exit codes: 0 when every step passed, 1 when a check failed (the first failing step is
 printed with the command that reproduces it), 2 when the run cannot start (unknown or
-unavailable backend, a configuration the backend does not support).
+unavailable backend, an unusable ``--device``, an unwritable ``--json``, a configuration the
+backend does not support), 130 / 143 when SIGINT / SIGTERM stopped it (the figures of the
+steps that ran are printed and written, marked ``interrupted``).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
-from ..cli_errors import fail
+from ..cli_errors import fail, interrupts_deferred, signal_exit_code, signal_name
 from .config import DTYPES, SoakConfig
 
 __all__ = ["add_arguments", "config_from_args", "run_command"]
@@ -125,8 +128,12 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    """Run the soak of ``args``; print the summary and write ``--json``. A run stopped by
+    SIGINT / SIGTERM (under ``cli_errors.interrupts_raise``, as ``attnplug`` runs it) prints and
+    writes the figures of the steps that ran, marked ``interrupted``, and returns 130 / 143."""
     from rich.console import Console
 
+    from ..registry import RegistryError
     from ..selection import SelectionError
     from . import run_soak
     from .simulation import SoakSetupError
@@ -135,11 +142,21 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         config.check()
         report = run_soak(config, log=lambda line: print(line, flush=True))
-    except (SelectionError, SoakSetupError, ValueError) as exc:
-        return fail(str(exc))
-    console = Console(width=140) if not sys.stdout.isatty() else Console()
-    report.print_summary(console)
-    if args.json:
-        report.write_json(args.json)
-        console.print(f"figures written to {args.json}")
+    except (SelectionError, SoakSetupError, RegistryError, ValueError) as exc:
+        return fail(f"soak: {exc}")
+    except KeyboardInterrupt as exc:  # before the first step: nothing to keep
+        return fail(f"soak: interrupted by {signal_name(exc)} before the first step", signal_exit_code(exc))
+    with interrupts_deferred() as arrived:  # the figures are written whole, even on a second Ctrl-C
+        console = Console(width=140) if not sys.stdout.isatty() else Console()
+        report.print_summary(console)
+        if args.json:
+            try:
+                report.write_json(args.json)
+            except OSError as exc:
+                return fail(f"soak: --json {args.json!r}: {exc.strerror or exc}")
+            console.print(f"figures written to {args.json}" + (" (interrupted run)" if report.interrupted else ""))
+    if report.interrupted:
+        return signal_exit_code(signum=signal.Signals[report.interrupted])
+    if arrived:
+        return signal_exit_code(signum=arrived[0])
     return 0 if report.ok else 1

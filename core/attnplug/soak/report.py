@@ -85,6 +85,9 @@ class SoakReport:
     failure_log: List[SoakFailure] = field(default_factory=list)
     wall_s: float = 0.0
     versions: Dict[str, str] = field(default_factory=dict)
+    #: the signal that stopped the run before its last step ("SIGINT", "SIGTERM"), else None:
+    #: the figures then cover the steps that ran (``steps``), not ``config["steps"]``
+    interrupted: Optional[str] = None
 
     def mode(self, name: str) -> ModeFigures:
         return self.modes.setdefault(name, ModeFigures())
@@ -98,7 +101,8 @@ class SoakReport:
 
     @property
     def ok(self) -> bool:
-        return self.failures == 0 and self.data_lost == 0
+        """Every step asked for ran and passed (an interrupted run is not ok, whatever it found)."""
+        return self.failures == 0 and self.data_lost == 0 and not self.interrupted
 
     def to_json(self) -> Dict[str, Any]:
         data = asdict(self)
@@ -113,9 +117,17 @@ class SoakReport:
         return data
 
     def write_json(self, path: str) -> None:
-        with open(path, "w") as fh:
+        """Write ``to_json()`` to ``path`` (its missing folders created; replaced atomically,
+        so an earlier file is never left half written)."""
+        import os
+
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
             json.dump(self.to_json(), fh, indent=2)
             fh.write("\n")
+        os.replace(tmp, path)
 
     # ------------------------------------------------------------------ printing
     def print_summary(self, console=None) -> None:
@@ -160,12 +172,23 @@ class SoakReport:
         for name, m in sorted(self.modes.items()):
             modes.add_row(name, f"{m.steps:,}", f"{m.replays:,}", f"{m.eager:,}", f"{m.tokens:,}", f"{m.max_error:.2e}")
         console.print(modes)
+        if self.interrupted:
+            console.print(
+                Text(
+                    f"INTERRUPTED by {self.interrupted} after {self.steps:,} of {cfg['steps']:,} steps: "
+                    "the figures cover the steps that ran",
+                    style="yellow bold",
+                ),
+                soft_wrap=True,
+            )
         if self.first_failure is not None:
             console.print(
                 Text(f"FAILED ({self.failures} failure(s)); first: {self.first_failure.describe()}", style="red"),
                 soft_wrap=True,
             )
             console.print(Text(f"reproduce: {self.reproduce_command()}"), soft_wrap=True)
+        elif self.interrupted:
+            console.print(Text(f"no failure in {self.steps:,} steps, data lost: {self.data_lost}", style="yellow"))
         else:
             console.print(Text(f"OK: {self.steps:,} steps, 0 failures, data lost: 0", style="green"))
 

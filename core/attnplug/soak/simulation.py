@@ -22,6 +22,7 @@ import torch
 
 from ..backend import AttentionBackend, GraphSupport, decide_needs_cpu_seq_lens
 from ..batch import ForwardBatch
+from ..cli_errors import signal_name
 from ..graphs import EagerGraph, GraphRunner
 from ..memory import ReqToTokenPool, SWAKVPool, SWATokenAllocator
 from .checks import StepChecks
@@ -154,24 +155,33 @@ class Soak:
 
     # ------------------------------------------------------------------ run
     def run(self) -> SoakReport:
+        """Run the steps; returns the report. A ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM where
+        the command turns it into one: ``cli_errors.Terminated``) stops the run between or
+        inside a step and is not raised: the report keeps the figures of the steps that ran and
+        names the signal (``interrupted``)."""
         cfg, rep = self.cfg, self.report
-        if self.runner is not None:
-            self.runner.capture(strict=True)  # a capture failure fails the soak
         start = last_log = time.perf_counter()
-        for index in range(cfg.steps):
-            self._step(index)
-            rep.steps = index + 1
-            now = time.perf_counter()
-            if cfg.progress_every and now - last_log >= cfg.progress_every:
-                last_log = now
-                self.log(
-                    f"step {index + 1:,}/{cfg.steps:,}: {rep.requests_finished:,} requests finished, "
-                    f"{rep.replays:,} replays, {rep.eager_steps:,} eager, max err {rep.max_error:.2e}, "
-                    f"failures {rep.failures}, {(index + 1) / (now - start):,.0f} steps/s"
-                )
-            if rep.failures and cfg.stop_on_failure:
-                break
-        rep.wall_s = time.perf_counter() - start
+        try:
+            if self.runner is not None:
+                self.runner.capture(strict=True)  # a capture failure fails the soak
+            start = last_log = time.perf_counter()
+            for index in range(cfg.steps):
+                self._step(index)
+                rep.steps = index + 1
+                now = time.perf_counter()
+                if cfg.progress_every and now - last_log >= cfg.progress_every:
+                    last_log = now
+                    self.log(
+                        f"step {index + 1:,}/{cfg.steps:,}: {rep.requests_finished:,} requests finished, "
+                        f"{rep.replays:,} replays, {rep.eager_steps:,} eager, max err {rep.max_error:.2e}, "
+                        f"failures {rep.failures}, {(index + 1) / (now - start):,.0f} steps/s"
+                    )
+                if rep.failures and cfg.stop_on_failure:
+                    break
+        except KeyboardInterrupt as exc:  # the step in progress is dropped; what ran is kept
+            rep.interrupted = signal_name(exc)
+        finally:
+            rep.wall_s = time.perf_counter() - start
         return rep
 
     def _step(self, index: int) -> None:

@@ -13,8 +13,10 @@ run. Per layer, by the step's plan:
 
 With PDL, every attention launch after a step's first reads its metadata and cached K/V
 before waiting for the previous kernel, so consecutive layers overlap (``pdl.Schedule``).
-Graph mode keeps every buffer static (``init_cuda_graph_state``); replay preparation is one
-launch on device tensors and reads nothing back (``needs_cpu_seq_lens = False``).
+Graph mode keeps every buffer static (``init_cuda_graph_state``: a new graph state per call,
+owned by the ``GraphRunner`` that made it and switched back to with ``set_cuda_graph_state``);
+replay preparation is one launch on device tensors and reads nothing back
+(``needs_cpu_seq_lens = False``).
 
 Choices (``tuning.CudaTuning``, ``CudaTuning.from_env()`` by default):
 ``ATTNPLUG_DISABLE_PDL=1`` launches without PDL; ``ATTNPLUG_KV_STORE=cpp`` stores K/V with the
@@ -30,7 +32,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from attnplug.backend import AttentionBackend, Capabilities, GraphSupport
+from attnplug.backend import AttentionBackend, BackendConfigError, Capabilities, GraphSupport
 from attnplug.batch import BatchError, ForwardBatch
 from attnplug.env import validation_enabled
 from attnplug.graph_buffers import GraphBuffers
@@ -50,6 +52,10 @@ from .tuning import CudaTuning
 __all__ = ["CudaBackend"]
 
 
+#: the smallest head dim the kernels tile (a dot of a 16-wide K block)
+MIN_HEAD_DIM = 16
+
+
 class CudaBackend(AttentionBackend):
     """Paged hybrid full + SWA attention on NVIDIA GPUs (see module docstring)."""
 
@@ -67,6 +73,11 @@ class CudaBackend(AttentionBackend):
             raise ValueError(
                 f"the cuda backend needs a pool on a CUDA device, got {self.device} "
                 "(on the CPU it runs only under the Triton interpreter, TRITON_INTERPRET=1)"
+            )
+        if self.head_dim < MIN_HEAD_DIM:
+            raise BackendConfigError(
+                f"head_dim={self.head_dim}: the cuda backend's kernels need head_dim >= {MIN_HEAD_DIM} "
+                f"(it declares {list(self.declared_capabilities().head_dims)})"
             )
         from .kernels import common, kv_store, paged_attention, pdl, step_metadata, store_attend
 
@@ -201,14 +212,34 @@ class CudaBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         workspace = paged_workspace_numel(max_num_tokens, self.num_heads, self.head_dim, self.tuning)
         buffers = graph_buffers(self.shape, self.device, max_bs, max_num_tokens, workspace)
-        self.cuda_graph_swa_out_cache_loc = buffers.swa_out_cache_loc
-        if max_bs > self._table_rows.shape[0]:  # padded buckets may exceed the request table
-            self._table_rows = torch.arange(max_bs, dtype=torch.int32, device=self.device)
-            self._tickets = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
-        self._graph_buffers = buffers
-        self._graph_tables = {}
+        rows, tickets = self._table_rows, self._tickets
+        if max_bs > rows.shape[0]:  # padded buckets may exceed the request table
+            rows = torch.arange(max_bs, dtype=torch.int32, device=self.device)
+            tickets = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
+        # This state's graphs read these by address: the state keeps them (an earlier state
+        # keeps its own, so a later, larger runner never frees what an earlier one's graphs read).
+        buffers.shared.update(table_rows=rows, tickets=tickets)
+        self._use_graph_buffers(buffers)  # a new state: earlier ones stay their runners'
         # Read once here, not per replay: the replay path does no new host work by default.
         self._validate_replay = validation_enabled()
+
+    def get_cuda_graph_state(self) -> Optional[GraphBuffers]:
+        """The ``GraphBuffers`` in use (its ``views``: the per-shape step tables)."""
+        return self._graph_buffers
+
+    def set_cuda_graph_state(self, state: GraphBuffers) -> None:
+        if not isinstance(state, GraphBuffers) or state.device != self.device or "table_rows" not in state.shared:
+            raise TypeError(
+                f"state must be the GraphBuffers of a cuda backend on {self.device} "
+                f"(get_cuda_graph_state()), got {type(state).__name__}"
+            )
+        self._use_graph_buffers(state)
+
+    def _use_graph_buffers(self, state: GraphBuffers) -> None:
+        self._graph_buffers = state
+        self._graph_tables = state.views
+        self.cuda_graph_swa_out_cache_loc = state.swa_out_cache_loc
+        self._table_rows, self._tickets = state.shared["table_rows"], state.shared["tickets"]
 
     def _graph_views(self, batch: ForwardBatch) -> StepTables:
         if self._graph_buffers is None:

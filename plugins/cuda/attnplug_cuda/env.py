@@ -15,7 +15,8 @@ variable                   reader                          meaning (default)
 =========================  ==============================  =====================================
 
 Parsing is core's (``attnplug.env``): a value that does not parse raises ``EnvError`` naming
-the variable. Importing this module imports neither torch nor Triton.
+the variable; each reader is registered with ``attnplug.env.reader``, so ``attnplug info`` shows
+a malformed value as an error. Importing this module imports neither torch nor Triton.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from attnplug.env import EnvFlag, choice, declare, pdl_disabled, switch
+from attnplug.env import EnvFlag, choice, declare, pdl_disabled, reader, switch
 
 __all__ = [
     "KV_STORE",
@@ -53,21 +54,25 @@ KV_STORE, DISABLE_CPP, CPP_VERBOSE, CACHE_DIR = declare(
 )
 
 
+@reader(KV_STORE)
 def kv_store_kernel() -> str:
     """``ATTNPLUG_KV_STORE``: one of ``KV_STORE_KERNELS`` (any case), default ``triton``."""
     return choice(KV_STORE, KV_STORE_KERNELS)
 
 
+@reader(DISABLE_CPP)
 def cpp_disabled() -> bool:
     """``ATTNPLUG_DISABLE_CPP``: True when the C++ extension must not be built or loaded."""
     return switch(DISABLE_CPP)
 
 
+@reader(CPP_VERBOSE)
 def cpp_verbose() -> bool:
     """``ATTNPLUG_CPP_VERBOSE``: True to print the C++ build."""
     return switch(CPP_VERBOSE)
 
 
+@reader(CACHE_DIR)
 def cache_dir() -> Path:
     """``ATTNPLUG_CACHE_DIR`` (``~`` expanded), else ``$XDG_CACHE_HOME/attnplug``, else
     ``~/.cache/attnplug``. The directory is not created here."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from attnplug.registry import ProbeResult, hookimpl
 from attnplug.versions import at_least, dotted
 
+from . import env as _env  # noqa: F401  (declares the plugin's ATTNPLUG_* variables, so info checks them)
+
 PLUGIN_API_VERSION = "1.0"
 
 

@@ -1,6 +1,8 @@
 """The ``"attnplug"`` attention implementation of ``transformers``.
 
-``register()`` adds it to ``transformers.AttentionInterface`` (idempotent), so
+Importing ``attnplug.integrations.transformers`` adds it to ``transformers.AttentionInterface``
+(``register_on_import``: at once when transformers' modeling module is loaded, else the moment
+it is, so the import itself stays cheap), and so does ``register()`` (idempotent); then
 ``from_pretrained(..., attn_implementation="attnplug")`` (or ``from_config``, or
 ``model.set_attn_implementation("attnplug")``) routes every attention layer here. The layers
 do not own a KV cache any more: each call hands the layer's new q/k/v to the attnplug backend
@@ -22,6 +24,10 @@ eager path (module, scaling, window, soft-cap, sinks against the spec) are then 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -30,7 +36,7 @@ import torch
 
 from ...backend import AttentionBackend
 from ...batch import ForwardBatch
-from .errors import require_transformers
+from .errors import MissingDependencyError, require_transformers
 from .spec import ModelSpec
 
 __all__ = [
@@ -38,6 +44,7 @@ __all__ = [
     "NoStepError",
     "BoundStep",
     "register",
+    "register_on_import",
     "bind_step",
     "attnplug_attention_forward",
     "attention_op",
@@ -183,8 +190,89 @@ def _attention_op_fake(q, k, v, layer, sinks):
     return q.new_empty(q.shape)
 
 
+def _register_into(modeling_utils) -> None:
+    interface = getattr(modeling_utils, "AttentionInterface", None)
+    if interface is None or not callable(getattr(interface, "register", None)):
+        import transformers
+
+        raise MissingDependencyError(
+            f"transformers {getattr(transformers, '__version__', '?')} has no AttentionInterface to register "
+            "attn_implementation='attnplug' with: pip install 'attnplug[hf]' (transformers >= 4.56)"
+        )
+    interface.register(IMPLEMENTATION, attnplug_attention_forward)
+
+
 def register() -> None:
     """Register ``"attnplug"`` with ``transformers.AttentionInterface`` (idempotent; raises
-    ``MissingDependencyError`` naming the ``hf`` extra when transformers is missing)."""
-    transformers = require_transformers()
-    transformers.AttentionInterface.register(IMPLEMENTATION, attnplug_attention_forward)
+    ``MissingDependencyError`` naming the ``hf`` extra when transformers is missing or too old).
+
+    Importing this package already does it (``register_on_import``): call it only to register
+    at once, e.g. to see its error."""
+    require_transformers()
+    import transformers.modeling_utils
+
+    _register_into(transformers.modeling_utils)
+
+
+#: the transformers module that defines ``AttentionInterface`` (and every ``from_pretrained``)
+_MODELING = "transformers.modeling_utils"
+
+
+_FILE_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """A one-shot import hook: once ``transformers.modeling_utils`` has been executed (before
+    any model can be loaded from it), ``"attnplug"`` is registered in it. Nothing is imported
+    before that, so importing attnplug costs no transformers import."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _MODELING:
+            return None
+        _remove_hook()  # one shot; and the real finders below find the module
+        try:
+            spec = importlib.util.find_spec(fullname)
+        except Exception:  # let the import machinery report it as it would without this hook
+            return None
+        loader = getattr(spec, "loader", None)
+        if not isinstance(loader, _FILE_LOADERS):  # one loader object a file: safe to wrap
+            return spec  # an unusual install: register() (ModelRunner calls it) still works
+        exec_module = loader.exec_module
+
+        def exec_then_register(module) -> None:
+            exec_module(module)
+            _register_quietly(module)
+
+        loader.exec_module = exec_then_register
+        return spec
+
+
+_hook = _RegisterAfterImport()
+
+
+def _remove_hook() -> None:
+    try:
+        sys.meta_path.remove(_hook)
+    except ValueError:
+        pass
+
+
+def _register_quietly(modeling_utils) -> None:
+    """Register, never raising into the user's ``import transformers``: a failure is left for
+    ``register()`` (which ``ModelRunner`` calls) to report with its reason."""
+    try:
+        _register_into(modeling_utils)
+    except Exception:
+        pass
+
+
+def register_on_import() -> None:
+    """Make ``from_pretrained(..., attn_implementation="attnplug")`` work without a
+    ``register()`` call: register now when transformers' modeling module is loaded already,
+    else as soon as it is (an import hook; transformers is not imported here, so this costs
+    nothing where transformers is not used, or not installed). Idempotent."""
+    modeling = sys.modules.get(_MODELING)
+    if modeling is not None:
+        _register_quietly(modeling)
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)

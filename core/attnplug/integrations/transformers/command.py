@@ -7,7 +7,10 @@ builds a small random model offline (``tiny_model``; its 256-token vocabulary re
 tokenizer), then a summary on stderr.
 
 Exit codes: 0 done; 2 the run cannot start (transformers missing, no tokenizer for
-``--prompt``, bad ``--tokens``, a model or backend attnplug cannot run).
+``--prompt``, bad ``--tokens``, a request longer than the model's positions, an unusable
+``--device``, an unknown or unavailable backend, a malformed ``ATTNPLUG_*`` variable, a model or
+backend attnplug cannot run, pools that do not fit in memory); 130 / 143 when SIGINT / SIGTERM
+stopped it.
 """
 
 from __future__ import annotations
@@ -169,19 +172,44 @@ def _prompts(args, tokenizer) -> List[List[int]]:
     return [tokenizer(t)["input_ids"] for t in args.prompt]
 
 
+def _check_length(model, prompts: List[List[int]], max_new_tokens: int) -> int:
+    """The longest request (prompt + ``max_new_tokens``); ``ValueError`` when it exceeds the
+    model's ``max_position_embeddings`` (the positions it was made for: beyond them the
+    tokens are not the model's, and the pools would be sized for nothing)."""
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < longest:
+        index = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        raise ValueError(
+            f"prompts[{index}]: {len(prompts[index])} prompt tokens + --max-new-tokens {max_new_tokens} = {longest} "
+            f"exceed the model's max_position_embeddings = {limit}"
+        )
+    return longest
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed (host or device memory)."""
+    if isinstance(exc, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
 def run_command(args: argparse.Namespace) -> int:
+    from ...registry import RegistryError
     from ...selection import SelectionError
     from .engine import Engine
     from .errors import MissingDependencyError, UnsupportedModelError
 
     if args.max_new_tokens < 1:
         return fail(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    device = args.device or "the device"
     try:
         backend, device, cls = _backend_and_device(args)
         model, tokenizer = _load(args, cls, device)
         prompts = _prompts(args, tokenizer)
         eos = None if args.tiny else getattr(model.generation_config, "eos_token_id", None)
-        longest = max(len(p) for p in prompts) + args.max_new_tokens
+        longest = _check_length(model, prompts, args.max_new_tokens)
         engine = Engine(
             model,
             backend or cls,
@@ -191,8 +219,14 @@ def run_command(args: argparse.Namespace) -> int:
             compile=args.compile,
         )
         outputs = engine.generate(prompts, args.max_new_tokens, eos_token_id=eos)
-    except (MissingDependencyError, UnsupportedModelError, SelectionError, ValueError, OSError) as exc:
+    except (MissingDependencyError, UnsupportedModelError, SelectionError, RegistryError, ValueError, OSError) as exc:
         return fail(f"generate: {exc}")
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        advice = "fewer or shorter prompts, a smaller --max-new-tokens"
+        return fail(f"generate: out of memory on {device} ({advice}): {first}")
     for i, out in enumerate(outputs):
         line = f"[{i}] " + " ".join(map(str, out))
         if tokenizer is not None:

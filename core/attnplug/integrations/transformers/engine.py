@@ -98,15 +98,45 @@ class _Pending:
     ready: Optional[object]  # the device event after the copy (None on the host)
 
 
+def _is_array(value) -> bool:
+    """A torch tensor or a numpy array (numpy is not imported for this)."""
+    return isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "ndim")
+
+
 def _eos_set(eos_token_id) -> frozenset:
+    """The EOS token ids of ``eos_token_id``: None, an int or integer scalar (0-d tensor or
+    array included), or a list, tuple, set, range or 1-D integer tensor / array of them."""
     if eos_token_id is None:
         return frozenset()
-    single = not isinstance(eos_token_id, (list, tuple, set, frozenset, torch.Tensor))
+    if _is_array(eos_token_id):
+        single = eos_token_id.ndim == 0
+    else:
+        single = not isinstance(eos_token_id, (list, tuple, set, frozenset, range))
     values = [eos_token_id] if single else list(eos_token_id)
     try:
-        return frozenset(_token(v, "eos_token_id") for v in values)
+        if _is_array(eos_token_id) and eos_token_id.ndim > 1:
+            raise ValueError("not flat")
+        tokens = frozenset(_token(v, "eos_token_id") for v in values)
     except ValueError:
         raise ValueError(f"eos_token_id must be None, an int or a list of ints, got {eos_token_id!r}") from None
+    return tokens
+
+
+def _prompt_list(prompts) -> list:
+    """``prompts`` as a list: an ordered sequence (list, tuple, 2-D tensor or array, any other
+    iterable that is not a str, bytes, set or mapping), else ``ValueError``."""
+    if _is_array(prompts):
+        if prompts.ndim != 2:
+            raise ValueError(
+                f"prompts must be a list of prompts (lists of token ids) or a 2-D tensor, got a "
+                f"{prompts.ndim}-D {type(prompts).__name__}"
+            )
+        return list(prompts)
+    unordered = isinstance(prompts, (set, frozenset, dict))
+    if unordered or isinstance(prompts, (str, bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        why = " (unordered: the outputs could not be matched to them)" if unordered else ""
+        raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}{why}")
+    return list(prompts)
 
 
 def _token(value, where: str) -> int:
@@ -208,9 +238,11 @@ class Engine:
     ) -> List[List[int]]:
         """Greedy generation: the new tokens of each prompt (in order), at most
         ``max_new_tokens`` each, ending at the first EOS token (kept) when ``eos_token_id``
-        (an int or a list) is given. Raises ``ValueError`` naming the prompt for an empty
-        prompt, a token outside the vocabulary, or a request longer than ``max_context_len``
-        or than the pools can ever hold; ``RuntimeError`` when another thread's ``generate`` is
+        (an int or a list) is given. Raises ``ValueError`` when ``prompts`` is no ordered
+        sequence of prompts or ``eos_token_id`` holds no int, and naming the prompt for
+        an empty prompt, a prompt that is no sequence of ints (a str, bytes, a set, a float), a
+        token outside the vocabulary, or a request longer than ``max_context_len`` or than the
+        pools can ever hold (all before anything runs); ``RuntimeError`` when another thread's ``generate`` is
         running on this engine (one call at a time: they share the pools and the graphs)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
@@ -225,7 +257,7 @@ class Engine:
     def _generate(self, prompts, max_new_tokens, eos_token_id) -> List[List[int]]:
         max_new_tokens = host_int(max_new_tokens, "max_new_tokens", lo=0, error=ValueError)
         self._eos = _eos_set(eos_token_id)
-        reqs = [self._request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        reqs = [self._request(i, p, max_new_tokens) for i, p in enumerate(_prompt_list(prompts))]
         waiting = deque(r for r in reqs if r.max_new > 0)
         running: List[_Request] = []
         counts = {"steps": {"EXTEND": 0, "DECODE": 0}, "graph_steps": 0, "peak_running": 0, "peak_swa_slots": 0}
@@ -286,8 +318,13 @@ class Engine:
     # ------------------------------------------------------------------ admission
     def _request(self, index: int, prompt: Sequence[int], max_new: int) -> _Request:
         runner = self.runner
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
-            raise ValueError(f"prompts[{index}] must be a sequence of token ids, got {type(prompt).__name__}")
+        if (
+            isinstance(prompt, (str, bytes, bytearray, memoryview, set, frozenset, dict))
+            or not hasattr(prompt, "__len__")
+            or (_is_array(prompt) and prompt.ndim != 1)
+        ):
+            shape = f" of shape {tuple(prompt.shape)}" if _is_array(prompt) else ""
+            raise ValueError(f"prompts[{index}] must be a sequence of token ids, got {type(prompt).__name__}{shape}")
         if isinstance(prompt, torch.Tensor) and (prompt.dtype.is_floating_point or prompt.dtype == torch.bool):
             raise ValueError(f"prompts[{index}] must hold integer token ids, got a {prompt.dtype} tensor")
         items = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)

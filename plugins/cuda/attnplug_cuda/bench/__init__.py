@@ -21,6 +21,8 @@ benchmark             what it measures (each module's docstring has the details 
 ``model_decode``      (only with ``--only model_decode``) decode tokens/s of a 1B-class Gemma3 text
                       model through ``Engine`` vs transformers' static-cache generate
                       (``attnplug.bench.model_decode``; needs transformers)
+``batch_validation``  (only with ``--only batch_validation``) what ``ATTNPLUG_VALIDATE=1`` costs a
+                      DECODE step (``attnplug.bench.validation``)
 ====================  =========================================================================
 
 Options (``--set NAME=VALUE``): ``skip_cpp`` (do not build the CUDA C++ KV store),
@@ -36,6 +38,7 @@ from typing import Any, Dict, Iterable, Optional
 
 from attnplug.bench import Benchmark, Suite, SuiteUnavailable
 from attnplug.bench.model_decode import BENCHMARK as MODEL_DECODE
+from attnplug.bench.validation import BENCHMARK as BATCH_VALIDATION
 
 __all__ = ["SUITE", "NeedsCudaDevice", "run_benchmarks", "DEFAULT_BUDGET_S"]
 
@@ -125,6 +128,7 @@ SUITE = Suite(
             default=False,
         ),
         MODEL_DECODE,
+        BATCH_VALIDATION,
     ],
     requires=_require_cuda,
     environment=_environment,

@@ -20,6 +20,7 @@ import torch
 import attnplug
 from attnplug import registry as R
 from attnplug.registry import load_registry
+from child import HANG_LIMIT_S
 from plugin_dists import (
     PROJECT_PATHS,
     ROOT,
@@ -194,7 +195,12 @@ def test_import_attnplug_resolves_no_entry_points():
         print(json.dumps({"calls": calls}))
     """)
     out = subprocess.run(
-        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=str(ROOT)
+        [sys.executable, "-c", code],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_LIMIT_S,
+        cwd=str(ROOT),
     )
     assert out.returncode == 0, out.stderr
     first, second = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
