@@ -61,7 +61,7 @@ def device_problem(text: str) -> Optional[str]:
     """Why ``text`` names no device a run can use (one line), or None.
 
     The string must parse as a torch device; ``meta`` holds no data; a device type with a torch
-    module (``torch.cuda``, ``torch.xpu``, ...) must report a device available and the index
+    module (``torch.<type>``) must report a device available and the index
     must be below its ``device_count()``; any other type must take an empty tensor. Checks
     create no device context."""
     import torch
