@@ -94,9 +94,11 @@ class _Step:
         self.rows_host, self.seq_host = rows, seq
         self.window = window if pool.swa_layer_ids else None
         max_len = req_to_token_pool.max_context_len
-        self.rows = torch.as_tensor(rows, dtype=torch.int64).to(dev)
-        self.seq = torch.as_tensor(seq, dtype=torch.int64).to(dev)
-        e = self.ext = torch.as_tensor(ext, dtype=torch.int64).to(dev)
+        # the batch's own device tensors (already checked equal to the host values above)
+        self.rows = batch.req_pool_indices.to(torch.int64)
+        self.seq = batch.seq_lens.to(torch.int64)
+        given = batch.extend_seq_lens
+        e = self.ext = given.to(torch.int64) if given is not None else torch.as_tensor(ext, dtype=torch.int64).to(dev)
         self.real = self.rows != 0
         T = batch.num_tokens
         self.tok_req = torch.repeat_interleave(torch.arange(len(rows), device=dev), e, output_size=T)
@@ -107,8 +109,8 @@ class _Step:
         self.width = max(1, min(max(seq), max_len))
         # the step's rows up to the longest seq_len: [bs, width] int64 (row 0 all zero)
         self.held_rows = req_to_token_pool.req_to_token[self.rows, : self.width].to(torch.int64)
-        col = torch.arange(self.width, device=dev)
-        self.held = self.real[:, None] & (col[None, :] < self.seq[:, None])
+        self.col = torch.arange(self.width, device=dev)[None, :]  # [1, width] positions
+        self.held = self.real[:, None] & (self.col < self.seq[:, None])
         self.lo, self.hi = pool.page_size, pool.size + pool.page_size
         self.mapping = pool.full_to_swa_index_mapping
 
@@ -126,8 +128,7 @@ class _Step:
         m["free"] = self.tok_real & ~live
         if self.window is not None:
             first_key = (self.seq - self.ext - self.window + 1)[:, None]
-            col = torch.arange(self.width, device=slots.device)[None, :]
-            reach = held & (col >= first_key)
+            reach = held & (self.col >= first_key)
             safe = torch.where(reach & (slots >= self.lo) & (slots < self.hi), slots, -1)
             m["swa"] = reach & (self.mapping[safe] == 0)
         if self.batch.positions is not None:
