@@ -9,6 +9,8 @@
 #   bash benchmarks/h200.sh models  # transformers models through Engine on cuda, generate
 #   bash benchmarks/h200.sh validate  # the trust catalogue on the GPU, a soak with ATTNPLUG_VALIDATE=1,
 #                                     # what validation costs a step (bench --only batch_validation)
+#   bash benchmarks/h200.sh worlds  # the sampled worlds and the 2**31-element layer buffer on cuda,
+#                                   # the kernels' world tests, then the whole conformance suite
 # BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks.
 # Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
 set -u
@@ -75,6 +77,21 @@ elif [ "$stage" = validate ]; then
   tail -3 "$out/catalogue.log"
   tail -2 "$out/soak_validate.log"
   grep -E "batch_validation: bs=" "$out/validation_cost.log"
+elif [ "$stage" = worlds ]; then
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/env.log" 2>&1
+  python3 -c "import torch, triton, hypothesis, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'hypothesis', hypothesis.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
+  # the whole suite (the sampled worlds and the 2**31-element buffer included), then that buffer
+  # with the C++ KV store, then the kernels' world tests
+  run conformance 280 attnplug conformance --backend cuda --report "$out/conformance.json"
+  run large_cpp 90 env ATTNPLUG_KV_STORE=cpp attnplug conformance --backend cuda -k check_large_kv_buffers
+  run world_tests 170 python3 -m pytest -q -p no:cacheprovider -n 4 tests/cuda/test_cuda_worlds_interpreted.py \
+    tests/conformance/test_sampled_worlds.py
+  cat "$out/env.log"
+  grep -E "passed|failed|PASSED|FAILED|error" "$out/conformance.log" | tail -4
+  python3 -c "import json,sys,collections; d=json.load(open(sys.argv[1])); t=collections.Counter(); [t.update({x['check']: x['duration']}) for b in d['backends'] for x in b['tests']]; print('\n'.join(f'{k:38s} {v:7.1f} s' for k,v in t.most_common())); print('total', round(d['duration'],1), 's')" "$out/conformance.json"
+  grep -E "check_sampled|check_large" "$out/conformance.log" | tail -3
+  grep -E "passed|failed|PASSED|FAILED|error" "$out/large_cpp.log" | tail -3
+  tail -3 "$out/world_tests.log"
 elif [ "$stage" = soak ]; then
   run soak 330 attnplug soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"

@@ -258,13 +258,13 @@ class World:
         return self.alloc.evict_out_of_window(self.rows, req.row, req.seq_len, self.spec.sliding_window)
 
     def rollback(self, req: Request, keep: int) -> None:
-        """Drop the last ``req.seq_len - keep`` tokens (rejected drafts): free their slots."""
+        """Drop the last ``req.seq_len - keep`` tokens (rejected drafts): the allocator's
+        ``rollback`` gives their slots back (a page keeps its first ``keep`` slots), the
+        request's row and history forget them."""
         if keep >= req.seq_len:
             return
-        if self.spec.page_size != 1:
-            raise ValueError("rollback is only planned for page_size 1")
         locs = self.rows.req_to_token[req.row, keep : req.seq_len].to(torch.int64)
-        self.alloc.free(locs)
+        self.alloc.rollback(locs)
         self.rows.req_to_token[req.row, keep : req.seq_len] = 0
         req.history = [(k[:keep], v[:keep]) for k, v in req.history]
         req.seq_len = keep

@@ -1,17 +1,19 @@
 """Instruments that watch or disturb a step: ``TranslationProbe`` counts the full-to-SWA
 translations by phase, ``MappingPoison`` rewrites the mapping between the metadata call and the
-layers, ``poison_free_rows`` fills every KV row that holds no live token with random values.
+layers, ``poison_free_rows`` fills every KV row that holds no live token with random values, NaN or
+±Inf.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Tuple
 
 import torch
 
 from .harness import Step, World
 
-__all__ = ["TranslationProbe", "MappingPoison", "poison_free_rows"]
+__all__ = ["TranslationProbe", "MappingPoison", "POISONS", "poison_free_rows"]
 
 
 class TranslationProbe:
@@ -175,11 +177,37 @@ class MappingPoison:
         mapping[self.entries] = self.entries_original.to(mapping.dtype)
 
 
-def poison_free_rows(world: World, seed: int) -> None:
-    """Fill every KV row that holds no live token (slot 0, the padding sink, included) with
-    seeded random values, in every layer. Twin worlds poisoned with one seed stay identical;
-    a store outside the step's slots (a neighbour in the page, another layer, the sink) then
-    shows up as a cache difference even when it writes zeros."""
+#: what ``poison_free_rows`` writes: seeded N(0, 1) noise, NaN, ±Inf (alternating along the
+#: head dim), or a mix (every element one of NaN, +Inf, -Inf, noise, drawn at random)
+POISONS = ("noise", "nan", "inf", "mixed")
+
+
+def _poison(buf: torch.Tensor, fill: str, gen: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(buf.shape, generator=gen)
+    if fill == "noise":
+        return noise.to(buf.device, buf.dtype)
+    specials = torch.tensor([math.nan, math.inf, -math.inf])
+    if fill == "nan":
+        value = torch.full(buf.shape, math.nan)
+    elif fill == "inf":
+        value = torch.full(buf.shape, math.inf)
+        value[..., 1::2] = -math.inf
+    elif fill == "mixed":
+        pick = torch.randint(0, 4, buf.shape, generator=gen)
+        value = torch.where(pick < 3, specials[pick.clamp_max(2)], noise)
+    else:
+        raise ValueError(f"poison_free_rows: fill must be one of {', '.join(POISONS)}, not {fill!r}")
+    return value.to(buf.device, buf.dtype)
+
+
+def poison_free_rows(world: World, seed: int, fill: str = "noise") -> None:
+    """Fill every KV row that holds no live token (slot 0, the padding sink, the slots past a
+    request's end in its last page, evicted and freed slots, the slots a planned step is about
+    to write) with ``fill`` (``POISONS``), in every layer. With ``"noise"``, twin worlds
+    poisoned with one seed stay identical and a store outside the step's slots (a neighbour
+    in the page, another layer, the sink) shows up as a cache difference even when it writes
+    zeros; NaN and ±Inf are what a real cache may hold there (uninitialised memory, stale
+    values), which a kernel must never let reach an output (``0 * NaN`` is NaN)."""
     pool = world.pool
     live_full = world.live_full_slots().to(pool.device)
     live_swa = pool.translate_loc_from_full_to_swa(live_full).to(torch.int64) if pool.swa_layer_ids else None
@@ -189,5 +217,4 @@ def poison_free_rows(world: World, seed: int) -> None:
         keep = torch.zeros(kb.shape[0], dtype=torch.bool, device=kb.device)
         keep[live_swa[live_swa > 0] if pool.is_swa_layer(layer) else live_full] = True
         for buf in (kb, vb):
-            noise = torch.randn(buf.shape, generator=gen).to(buf.device, buf.dtype)
-            buf.copy_(torch.where(keep[:, None, None], buf, noise))
+            buf.copy_(torch.where(keep[:, None, None], buf, _poison(buf, fill, gen)))

@@ -269,10 +269,12 @@ _CHECK_ORDER = {
     "check_kv_written_only_at_step_slots": 5,
     "check_attention_matches_reference": 6,
     "check_softcap_and_sinks": 6.5,
+    "check_sampled_worlds": 6.7,
     "check_replay_equals_eager": 7,
     "check_accepts_seq_lens_cpu_none": 8,
     "check_matches_transformers": 9,
     "check_paged_ops": 9.5,
+    "check_large_kv_buffers": 10,
 }
 _FIRST_ROUND_CASES = {
     "EXTEND_no_prefix-gqa4-window_smaller",

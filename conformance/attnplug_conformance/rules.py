@@ -15,6 +15,8 @@ __all__ = [
     "FEATURES",
     "MODEL",
     "OPS",
+    "SCALE",
+    "WORLDS",
     "ALL_RULES",
 ]
 
@@ -29,6 +31,8 @@ CAPABILITIES = "contract (capabilities are honest)"
 FEATURES = "contract (logit soft-cap and attention sinks)"
 MODEL = "contract (model logits match transformers)"
 OPS = "contract (the op layer over engine-owned caches)"
+SCALE = "contract (layer KV buffers past 2**31 elements)"
+WORLDS = "contract (attention matches float64 in sampled worlds)"
 
 #: every rule name above, for tools that check a message names one
 ALL_RULES = (
@@ -43,4 +47,6 @@ ALL_RULES = (
     FEATURES,
     MODEL,
     OPS,
+    SCALE,
+    WORLDS,
 )

@@ -30,7 +30,13 @@ import torch
 from .batch import ForwardBatch
 from .capabilities import GRAPH_MODES, Capabilities, GraphSupport
 from .device_part import DevicePart
-from .input_checks import BackendConfigError, InputChecks, check_config, check_positive_float
+from .input_checks import (
+    BackendConfigError,
+    InputChecks,
+    check_config,
+    check_kv_buffer_size,
+    check_positive_float,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graphs.device_graph import DeviceGraph
@@ -71,6 +77,10 @@ class AttentionBackend(InputChecks, abc.ABC):
     Each is accepted only when the class declares it (``Capabilities.logit_softcap`` /
     ``Capabilities.attention_sinks``).
 
+    A pool whose largest layer buffer has more than ``2**31 - 1`` elements is refused
+    (``BackendConfigError``) unless the class declares ``Capabilities.large_kv_buffers``
+    (64-bit offsets; ``input_checks.check_kv_buffer_size``).
+
     Subclasses set the class attributes ``name`` and ``needs_cpu_seq_lens`` and implement
     every abstract method. The base ``__init__`` validates and stores the common arguments.
     """
@@ -108,6 +118,7 @@ class AttentionBackend(InputChecks, abc.ABC):
             check_positive_float(scaling, "scaling")
         self.scaling = float(scaling) if scaling is not None else 1.0 / math.sqrt(pool.head_dim)
         declared = type(self).declared_capabilities()
+        check_kv_buffer_size(pool, declared, type(self).name)
         if logit_softcap is not None:
             check_positive_float(logit_softcap, "logit_softcap")
             if declared is None or not declared.logit_softcap:

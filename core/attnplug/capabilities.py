@@ -70,6 +70,10 @@ class Capabilities:
       ``c * tanh(s / c)`` before masking and softmax). Default False.
     * ``attention_sinks``: ``forward`` accepts ``sinks=`` (one learned logit per q head that
       joins the softmax denominator). Default False.
+    * ``large_kv_buffers``: layer KV buffers of more than ``2**31 - 1`` elements (slots x KV
+      heads x head_dim) are addressed correctly, i.e. with 64-bit offsets. Default False: the
+      constructor refuses a pool whose largest layer buffer is past that limit
+      (``BackendConfigError``; ``attnplug.input_checks.check_kv_buffer_size``).
     """
 
     device_type: str
@@ -82,6 +86,7 @@ class Capabilities:
     sliding_window: bool
     logit_softcap: bool = False
     attention_sinks: bool = False
+    large_kv_buffers: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -95,6 +100,7 @@ class Capabilities:
             "sliding_window": self.sliding_window,
             "logit_softcap": self.logit_softcap,
             "attention_sinks": self.attention_sinks,
+            "large_kv_buffers": self.large_kv_buffers,
         }
 
     def for_instance(

@@ -165,13 +165,9 @@ def _print_info(data: Dict[str, Any]) -> None:
         source = f" ({_dist(row['distribution'], row['version'])})" if row["distribution"] else ""
         console.print(Text(f"{row['name']}{source}: {row['reason']}"))
         caps = row.get("capabilities") or {}
-        if row["available"] and ("logit_softcap" in caps or "attention_sinks" in caps):
-            console.print(
-                Text(
-                    f"  logit_softcap: {_cell(caps.get('logit_softcap'), True)}, "
-                    f"attention_sinks: {_cell(caps.get('attention_sinks'), True)}"
-                )
-            )
+        features = [k for k in ("logit_softcap", "attention_sinks", "large_kv_buffers") if k in caps]
+        if row["available"] and features:
+            console.print(Text("  " + ", ".join(f"{k}: {_cell(caps.get(k), True)}" for k in features)))
         # what a backend's describe() says beyond the table's columns
         extra = {k: v for k, v in (row.get("capabilities") or {}).items() if k not in flags} if row["available"] else {}
         for key, value in extra.items():

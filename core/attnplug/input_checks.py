@@ -1,8 +1,10 @@
 """The input checks of the backend contract, host-side unless validation is on
 (``ATTNPLUG_VALIDATE=1``):
 
-* construction: ``check_config`` (the pools, ``num_heads``, ``sliding_window``) and
-  ``check_positive_float`` (``scaling``, ``logit_softcap``), raising ``BackendConfigError``;
+* construction: ``check_config`` (the pools, ``num_heads``, ``sliding_window``),
+  ``check_kv_buffer_size`` (a layer buffer past ``2**31 - 1`` elements needs
+  ``Capabilities.large_kv_buffers``) and ``check_positive_float`` (``scaling``,
+  ``logit_softcap``), raising ``BackendConfigError``;
 * each step: ``InputChecks``, the helpers every backend calls (a part of ``AttentionBackend``):
   ``check_batch`` against the pools, the batch ``forward`` gets against the one the last
   metadata call prepared, and one layer's q/k/v and ``sinks`` (``check_forward_inputs``).
@@ -18,9 +20,22 @@ import torch
 from .batch import BatchError, ForwardBatch
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .capabilities import Capabilities
     from .memory import ReqToTokenPool, SWAKVPool
 
-__all__ = ["BackendConfigError", "InputChecks", "check_config", "check_positive_float"]
+__all__ = [
+    "BackendConfigError",
+    "InputChecks",
+    "INT32_MAX_ELEMENTS",
+    "check_config",
+    "check_kv_buffer_size",
+    "largest_kv_buffer_elements",
+    "check_positive_float",
+]
+
+#: the most elements a layer KV buffer may have for a backend that does not declare
+#: ``Capabilities.large_kv_buffers`` (offsets up to it fit a signed 32-bit integer)
+INT32_MAX_ELEMENTS = 2**31 - 1
 
 
 class BackendConfigError(ValueError):
@@ -46,6 +61,31 @@ def check_config(
     if req_to_token_pool.req_to_token.device != pool.device:
         raise BackendConfigError(
             f"req_to_token_pool is on {req_to_token_pool.req_to_token.device}, the KV pool on {pool.device}"
+        )
+
+
+def largest_kv_buffer_elements(pool: "SWAKVPool") -> int:
+    """Elements of the pool's largest layer KV buffer (host int, read from the pool's shapes, never
+    its values): ``max over layers of num_slots(layer) * num_kv_heads * head_dim``."""
+    rows = max((pool.num_slots(layer) for layer in range(pool.num_layers)), default=0)
+    return rows * pool.num_kv_heads * pool.head_dim
+
+
+def check_kv_buffer_size(pool: "SWAKVPool", declared: Optional["Capabilities"], backend: str) -> None:
+    """A backend whose class does not declare ``large_kv_buffers`` (or declares nothing) refuses
+    a pool whose largest layer buffer has more than ``INT32_MAX_ELEMENTS`` elements: its kernels
+    may compute offsets in 32 bits, which wrap past it. Raises ``BackendConfigError`` naming the
+    element count and the capability. Host arithmetic on the pool's shapes only."""
+    if declared is not None and declared.large_kv_buffers:
+        return
+    elements = largest_kv_buffer_elements(pool)
+    if elements > INT32_MAX_ELEMENTS:
+        rows = elements // (pool.num_kv_heads * pool.head_dim)
+        raise BackendConfigError(
+            f"the pool's largest layer KV buffer has {elements} elements ({rows} slots x "
+            f"{pool.num_kv_heads} KV heads x head_dim {pool.head_dim}), more than 2**31 - 1 = "
+            f"{INT32_MAX_ELEMENTS}: the {backend} backend does not declare large_kv_buffers (64-bit "
+            "offsets into a layer buffer); use a smaller pool or a backend that declares it"
         )
 
 

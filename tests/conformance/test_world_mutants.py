@@ -1,58 +1,40 @@
-"""Issue 40, first step: the mutants of ``tests/mutants/worlds.py`` (one kernel bug per dimension
-the issue's property-based worlds must span), written before those worlds.
+"""The mutants of ``tests/mutants/worlds.py`` (one kernel bug per dimension of the sampled
+worlds, written before them) and the check that catches them, ``check_sampled_worlds``.
 
 For every mutant:
 
 1. its witness shows it is wrong in its corner: twin-free, the mutant runs the corner's steps
    in a world of its own and at least one step is out of bounds against attention computed in
-   float64 from the tokens' history (``attnplug.oracle.exact_attention``); the reference
-   backend passes the same steps (the witness is fair);
+   float64 from the tokens' history (``attnplug_conformance.exact.dense_attention``); the
+   reference backend passes the same steps (the witness is fair);
 2. its witness shows it is right elsewhere (the plausibility of the bug: the usual shapes of
    the suite's worlds pass);
-3. (slow) today's suite, run in-process with ``-x`` as ``test_conformance_mutants.py`` runs it,
-   PASSES it: recorded as a strict xfail of a test asserting that the suite catches it. The day
-   a new world visits the corner, the xfail turns into a failure and forces the marker's
-   removal (then the mutant can join the catalogue's ``SUBTLE`` list).
+3. (slow) ``check_sampled_worlds`` fails it in the case of its own dimension, naming the rule
+   and quoting a smallest world (hypothesis shrinks it) that visits the corner.
 
-These mutants are not in ``mutants.SUBTLE``: ``test_conformance_mutants.py`` asserts that every
-mutant of that list is caught.
+The suite before the sampled worlds passed all six (commit 97958c0 recorded that as strict
+xfails of the whole suite run with ``-x``). These mutants are not in ``mutants.SUBTLE``: the
+first round (``--attnplug-quick``) does not catch them.
 """
 
 from __future__ import annotations
 
-import math
+import re
 
 import pytest
-import torch
 
 import mutants
 import suite_runs
 from attnplug import ForwardMode
 from attnplug.backends.reference import ReferenceBackend
+from attnplug_conformance.exact import LONG_TOL, dense_attention, row_errors
 from attnplug_conformance.harness import World, WorldSpec
-from attnplug_conformance.long_context import LONG_TOL, dense_attention
+from attnplug_conformance.instruments import poison_free_rows
+from attnplug_conformance.rules import WORLDS
+from attnplug_conformance.worlds import DIMENSIONS, SampledWorld
 from mutants.worlds import WORLD_MUTANTS
 
 IDS = [cls.__name__ for cls in WORLD_MUTANTS]
-
-
-def _fill_free_rows(world: World, fill: str, gen: torch.Generator) -> None:
-    """Every KV row of every layer holding no live token (slot 0 included) set to ``fill``."""
-    pool = world.pool
-    live_full = world.live_full_slots().to(pool.device)
-    live_swa = pool.translate_loc_from_full_to_swa(live_full).to(torch.int64) if pool.swa_layer_ids else None
-    for layer in range(pool.num_layers):
-        kb, vb = pool.get_kv_buffer(layer)
-        keep = torch.zeros(kb.shape[0], dtype=torch.bool, device=kb.device)
-        keep[live_swa[live_swa > 0] if pool.is_swa_layer(layer) else live_full] = True
-        for buf in (kb, vb):
-            if fill == "noise":
-                value = torch.randn(buf.shape, generator=gen).to(buf.device, buf.dtype)
-            else:
-                value = torch.full_like(buf, {"nan": math.nan, "inf": math.inf}[fill])
-                if fill == "inf":
-                    value[..., 1::2] = -math.inf
-            buf.copy_(torch.where(keep[:, None, None], buf, value))
 
 
 def _errors(cls, case) -> list:
@@ -61,10 +43,8 @@ def _errors(cls, case) -> list:
     spec = WorldSpec(**case["spec"])
     world = World(spec, cls, "cpu", seed=3)
     bound = LONG_TOL[spec.dtype]
-    floor = 1e-3 * spec.head_dim**0.5
-    gen = torch.Generator().manual_seed(7)
     reqs, results = {}, []
-    for mode_name, idx, arg in case["plan"]:
+    for k, (mode_name, idx, arg) in enumerate(case["plan"]):
         for i in idx:
             if i not in reqs:
                 reqs[i] = world.new_request()
@@ -76,11 +56,9 @@ def _errors(cls, case) -> list:
             num_draft_tokens=arg if mode.is_speculative else None,
         )
         if case["fill"] is not None:
-            _fill_free_rows(world, case["fill"], gen)
+            poison_free_rows(world, seed=7 + k, fill=case["fill"])
         exact = dense_attention(world, step)
-        out = world.run_eager(step).detach().to("cpu", torch.float64)
-        err = (out - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(floor)
-        err = torch.where(torch.isfinite(out).all(-1), err, torch.full_like(err, math.inf))
+        err = row_errors(world.run_eager(step), exact)
         results.append((f"{mode_name} {list(idx)} {arg}", float(err.max()), bound))
         world.advance(step)
     return results
@@ -119,37 +97,48 @@ def test_reference_passes_the_corners(cls):
             assert err <= bound, f"reference: {label} ({_describe(case)}): relative error {err:.3g} > {bound:g}"
 
 
-def test_world_mutants_stay_out_of_the_catalogue():
-    """``test_conformance_mutants.py`` asserts every ``SUBTLE`` mutant is caught: these are not (yet)."""
+def test_world_mutants_stay_out_of_the_quick_catalogue():
+    """``test_conformance_mutants.py`` asserts every ``SUBTLE`` mutant is caught by the first
+    round; these are caught later, by the sampled worlds."""
     assert not set(WORLD_MUTANTS) & set(mutants.SUBTLE)
     assert all(cls.CORNER and cls.NEEDS for cls in WORLD_MUTANTS)
+    assert [cls.DIMENSION for cls in WORLD_MUTANTS] == list(DIMENSIONS), "one mutant per dimension, in order"
 
 
-# ---------------------------------------------------------------------------- today's suite misses each
-def _suite_catches(cls):
-    """The whole suite with ``-x`` against ``mutants.worlds:<cls>``: ``(first failure or None, results, seconds)``."""
-    results, elapsed = suite_runs.run_suite(f"mutants.worlds:{cls.__name__}", "", True)
-    failed = [r for r in results.values() if r.outcome in ("failed", "error", "xpassed")]
-    return (failed[0] if failed else None), results, elapsed
+# ---------------------------------------------------------------------------- the sampled worlds catch each
+@pytest.mark.slow  # hypothesis samples the dimension's worlds, then shrinks the failing one (15-60 s)
+@pytest.mark.parametrize("cls", WORLD_MUTANTS, ids=IDS)
+def test_sampled_worlds_catch_world_mutant(cls):
+    results, _ = suite_runs.run_suite(f"mutants.worlds:{cls.__name__}", f"check_sampled_worlds and {cls.DIMENSION}")
+    [result] = results.values()
+    assert result.outcome == "failed", f"check_sampled_worlds[{cls.DIMENSION}] passed {cls.__name__}"
+    assert result.message.startswith(WORLDS), result.message
+    quoted = re.search(r"of (SampledWorld\(.*?\)):", result.message)
+    assert quoted, f"the failure quotes no world: {result.message}"
+    world = eval(quoted.group(1), {"SampledWorld": SampledWorld})
+    assert SHRUNK[cls.__name__](world), f"{cls.__name__}: the quoted world does not visit {cls.CORNER}: {world!r}"
 
 
-class SuiteMissed(AssertionError):
-    """The whole suite passed a mutant (the only failure the strict xfails below expect: an
-    error running the suite fails the test)."""
+def _fresh_before_cached(w: SampledWorld) -> bool:
+    prefixes = [p for p, _ in w.requests]
+    return any(p == 0 for p in prefixes[:-1]) and any(prefixes[prefixes.index(0) + 1 :])
 
 
-def _missed_today(cls):
-    return pytest.mark.xfail(
-        strict=True, raises=SuiteMissed, reason=f"issue 40: today's worlds never visit {cls.CORNER}"
-    )
+def _lengths(w: SampledWorld, r: int) -> list:
+    """The lengths request ``r`` of ``w`` reaches in ``run_world``'s steps."""
+    extended = sum(w.requests[r])
+    accepted = w.accepted[r] if w.accepted else 0
+    return [extended, extended + 1, extended + 1 + w.drafts, extended + 2 + accepted]
 
 
-@pytest.mark.slow  # each case runs the whole conformance suite on a mutant (minutes)
-@pytest.mark.parametrize("cls", [pytest.param(cls, marks=_missed_today(cls)) for cls in WORLD_MUTANTS], ids=IDS)
-def test_suite_catches_world_mutant(cls):
-    first, results, elapsed = _suite_catches(cls)
-    if first is None:
-        outcomes = sorted(r.outcome for r in results.values())
-        counts = {o: outcomes.count(o) for o in set(outcomes)}
-        print(f"{cls.__name__}: the suite passed it: {counts} in {elapsed:.0f} s")
-        raise SuiteMissed(f"the suite passed {cls.__name__} ({counts} in {elapsed:.0f} s); it needs {cls.NEEDS}")
+#: what the quoted (shrunk) world of each mutant must hold: its corner, and little else
+SHRUNK = {
+    "GroupIndexByShift": lambda w: w.group & (w.group - 1) != 0 and w.num_kv_heads >= 2,
+    "DraftMaskTable4x4": lambda w: w.drafts >= 5,
+    "MaskedLoadMultiplies": lambda w: w.poison in ("nan", "inf", "mixed"),
+    "HalfExpWithoutMax": lambda w: w.dtype in ("float16", "bfloat16") and w.scaling is not None,
+    "PackedPrefixLengths": lambda w: _fresh_before_cached(w) and len(w.requests) == 2,
+    "LastPageLenModulo": lambda w: (
+        w.page_size > 1 and any(n > 32 and n % w.page_size == 0 for r in range(len(w.requests)) for n in _lengths(w, r))
+    ),
+}

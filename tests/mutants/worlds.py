@@ -1,28 +1,31 @@
-"""Mutants of issue 40, written BEFORE the property-based worlds it asks for: one plausible
-kernel bug per dimension of those worlds, each wrong only in a corner that today's suite never
-visits, so today's suite passes every one of them.
+"""Mutants of issue 40, written BEFORE the sampled worlds (``check_sampled_worlds``): one
+plausible kernel bug per dimension of those worlds, each wrong only in a corner that the
+suite's hand-picked worlds never visited, so the suite before the sampled worlds passed every
+one of them (commit 97958c0 recorded that as strict xfails; the sampled worlds turned them red).
 
 ``tests/conformance/test_world_mutants.py`` shows each one is really wrong in its corner (and
-right elsewhere, so it is plausible) against float64 attention (``attnplug.oracle``), and
-records, as a strict xfail, that today's suite misses it: the day the worlds visit the corner,
-the xfail turns into a failure and the marker goes.
+right elsewhere, so it is plausible) against float64 attention (``attnplug.oracle``), and that
+``check_sampled_worlds`` catches it in the case of its own dimension, quoting a smallest world
+that visits the corner.
 
-These are NOT part of the catalogue's ``SUBTLE`` list (``tests/mutants/__init__.py``), which
-must all be caught; they are named ``mutants.worlds:ClassName`` wherever a backend target is
-given. Each class says, besides its ``WITNESS``:
+These are not part of the catalogue's ``SUBTLE`` list (``tests/mutants/__init__.py``), whose
+mutants the first round of the suite (``--attnplug-quick``) must catch: the sampled worlds run
+after it, in the default run. They are named ``mutants.worlds:ClassName`` wherever a backend
+target is given. Each class says, besides its ``WITNESS``:
 
-* ``CORNER``: the corner today's worlds never visit (the strict xfail's reason);
-* ``NEEDS``: the world values that would catch it.
+* ``DIMENSION``: the case of ``check_sampled_worlds`` (``worlds.DIMENSIONS``) that samples its corner;
+* ``CORNER``: the corner the hand-picked worlds never visited;
+* ``NEEDS``: the world values that catch it.
 
 ``WITNESS = ("oracle", corner, elsewhere)``: ``corner`` and ``elsewhere`` are lists of cases
 ``dict(spec=WorldSpec overrides, plan=[(mode, request indices, new tokens / drafts)],
-fill=None | "nan" | "inf" | "noise")`` run on the mutant and compared step by step with float64
-attention: at least one step of a ``corner`` case is out of bounds, every step of every
+fill=None | one of instruments.POISONS)`` run on the mutant and compared step by step with
+float64 attention: at least one step of a ``corner`` case is out of bounds, every step of every
 ``elsewhere`` case within them. ``fill``: before each step every KV row that holds no live
 token (the sink, slot 0, included) is filled with that value.
 
-Scale (a KV cache or a batch past 2**31 elements, the issue's seventh dimension) cannot be
-shown on a 2-core host without an accelerator and has no mutant here.
+Scale (a KV layer buffer past 2**31 elements, the issue's seventh dimension) has its own check
+(``check_large_kv_buffers``) and mutant (``tests/mutants/scale.py``).
 """
 
 from __future__ import annotations
@@ -145,8 +148,9 @@ class GroupIndexByShift(ReferenceBackend):
     rounded down (``group.bit_length() - 1``), an index past the last KV head wrapping: exact
     for groups of 1, 2, 4, 8, ... and in MQA, wrong for 3, 5, 6, 7 query heads per KV head."""
 
+    DIMENSION = "head_groups"
     CORNER = "query heads per KV head that are not a power of two (3, 5, 6, 7)"
-    NEEDS = "num_heads / num_kv_heads of 3, 5, 6 or 7 with at least 2 KV heads (today: 1, 2, 4, 8)"
+    NEEDS = "num_heads / num_kv_heads of 3, 5, 6 or 7 with at least 2 KV heads (the hand-picked worlds: 1, 2, 4, 8)"
     WITNESS = (
         "oracle",
         [_case(_USUAL[:2], num_heads=6), _case(_USUAL[:1], num_heads=10), _case(_USUAL[:1], num_heads=14)],
@@ -174,8 +178,9 @@ class DraftMaskTable4x4(ReferenceBackend):
     min(i, 3)``): exact for up to 4 drafts; from 5 on, the 4th and later drafts see every later
     draft."""
 
+    DIMENSION = "draft_widths"
     CORNER = "more than 4 draft tokens per request (num_draft_tokens > 4)"
-    NEEDS = "TARGET_VERIFY or DRAFT_EXTEND with num_draft_tokens >= 5 (today: 2 and 3)"
+    NEEDS = "TARGET_VERIFY or DRAFT_EXTEND with num_draft_tokens >= 5 (the hand-picked worlds: 2 and 3)"
     WITNESS = (
         "oracle",
         [_case(_USUAL[:1] + [("TARGET_VERIFY", [0, 1, 2], 6)]), _case(_USUAL[:1] + [("DRAFT_EXTEND", [0, 1, 2], 5)])],
@@ -217,6 +222,7 @@ class MaskedLoadMultiplies(ReferenceBackend):
     zeros: exact while those rows hold finite values, NaN output when one holds NaN or ±Inf
     (``0 * NaN``, ``0 * Inf``)."""
 
+    DIMENSION = "poison"
     CORNER = "KV rows holding no live token (the sink, slot 0) that hold NaN or ±Inf"
     NEEDS = "NaN or ±Inf (not finite noise) in the backend's KV rows no request owns, slot 0 included"
     WITNESS = (
@@ -237,6 +243,7 @@ class HalfExpWithoutMax(ReferenceBackend):
     float16 (≈ 88.7 in bfloat16; there the logits rounded to 8 bits before ``exp`` already cost
     about 2 % from logits of about 20 on). float32 inputs take the reference's path."""
 
+    DIMENSION = "half_magnitudes"
     CORNER = "float16 / bfloat16 logits larger than log(max of the dtype) (11.1 in float16)"
     NEEDS = "a float16 world with logits above 11.1 (scaling or q.k large), or bfloat16 above 88.7"
     WITNESS = (
@@ -266,10 +273,11 @@ class PackedPrefixLengths(ReferenceBackend):
     prompts come after the cached ones; wrong once a fresh prompt (prefix 0) comes BEFORE a
     request with a cached prefix: their prefix lengths trade places."""
 
+    DIMENSION = "batch_composition"
     CORNER = "an EXTEND batch with a fresh prompt (prefix 0) before a request with a cached prefix"
     NEEDS = (
-        "an EXTEND batch ordered [fresh, cached, ...] (today: all fresh, all cached, or [cached, fresh] "
-        "in the scenario and the model check)"
+        "an EXTEND batch ordered [fresh, cached, ...] (the hand-picked worlds: all fresh, all cached, "
+        "or [cached, fresh] in the scenario and the model check)"
     )
     WITNESS = (
         "oracle",
@@ -303,10 +311,11 @@ class LastPageLenModulo(ReferenceBackend):
     token-granular table), for sequences of up to 32 keys, and whenever the last page is
     partial."""
 
+    DIMENSION = "page_edges"
     CORNER = "a sequence of more than 32 keys ending exactly on a page edge at page size > 1"
     NEEDS = (
         "page size > 1 with a request longer than 32 tokens whose length is a multiple of the page size "
-        "(today's paged worlds stop at 21 tokens; the model check's page-4 case at about 30)"
+        "(the hand-picked paged worlds stop at 21 tokens; the model check's page-4 case at about 30)"
     )
     WITNESS = (
         "oracle",

@@ -39,6 +39,7 @@ _FIELDS = {
     "sliding_window": bool,
     "logit_softcap": bool,
     "attention_sinks": bool,
+    "large_kv_buffers": bool,
 }
 
 

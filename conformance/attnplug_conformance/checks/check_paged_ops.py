@@ -29,7 +29,7 @@ import torch
 
 from attnplug.ops import OpsInputError
 from attnplug.oracle import exact_attention
-from attnplug_conformance.long_context import LONG_TOL
+from attnplug_conformance.exact import LONG_TOL
 from attnplug_conformance.support import OPS, base_config, conformance_check, dtype_name, require
 
 __all__ = ["check_paged_ops", "CASES"]

@@ -38,14 +38,14 @@ import pytest
 import torch
 
 from attnplug import BackendConfigError, ForwardMode
-from attnplug_conformance.long_context import LONG_TOL, dense_attention, long_context_world
+from attnplug_conformance.exact import LONG_TOL, assert_matches_exact, dense_attention
+from attnplug_conformance.long_context import long_context_world
 from attnplug_conformance.rules import FEATURES
 from attnplug_conformance.support import (
     base_config,
     conformance_check,
     dtype_name,
     graph_modes,
-    layer_kind,
     new_tokens_of,
     require,
 )
@@ -88,26 +88,15 @@ def _features(case: Case) -> str:
 
 
 def _compare(out: torch.Tensor, exact: torch.Tensor, world, what: str) -> None:
-    dtype = world.spec.dtype
-    tol = LONG_TOL[dtype]
-    a = out.detach().to("cpu", torch.float64)
-    if a.shape != exact.shape:
-        pytest.fail(f"{FEATURES}: {what}: output shape {tuple(a.shape)}, expected {tuple(exact.shape)}")
-    if a.numel() == 0:
-        return
-    if not torch.isfinite(a).all():
-        pytest.fail(f"{FEATURES}: {what}: non-finite output")
-    floor = 1e-3 * world.spec.head_dim**0.5  # values are about N(0, 1): rows of norm sqrt(head_dim)
-    err = (a - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(floor)  # [T, L, H]
-    worst = float(err.max())
-    if worst > tol:
-        t, l, h = [int(i) for i in torch.unravel_index(torch.argmax(err), err.shape)]
-        pytest.fail(
-            f"{FEATURES}: {what}: relative error {worst:.3g} against float64 attention at token {t}, layer {l} "
-            f"({layer_kind(world, l)}), head {h} (bound {tol:g} for {dtype_name(dtype)}; logits "
-            f"c * tanh(scaling * q.k / c) with c = {world.spec.logit_softcap}, sinks "
-            f"{'in each head denominator, once' if world.sinks is not None else 'none'})"
-        )
+    assert_matches_exact(
+        out,
+        exact,
+        world,
+        what,
+        rule=FEATURES,
+        hint=f"logits c * tanh(scaling * q.k / c) with c = {world.spec.logit_softcap}, sinks "
+        f"{'in each head denominator, once' if world.sinks is not None else 'none'}",
+    )
 
 
 def _run(world, reqs, plan: Sequence, what: str, runner=None) -> None:

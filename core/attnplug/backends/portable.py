@@ -137,6 +137,7 @@ class PortableBackend(AttentionBackend):
             sliding_window=True,
             logit_softcap=True,
             attention_sinks=True,
+            large_kv_buffers=True,  # int64 slot tables, PyTorch indexing: 64-bit offsets in any buffer
         )
 
     @classmethod

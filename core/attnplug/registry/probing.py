@@ -439,6 +439,7 @@ _CAPABILITY_FIELDS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "sliding_window": (lambda v: not isinstance(v, bool), "True or False"),
     "logit_softcap": (lambda v: not isinstance(v, bool), "True or False"),
     "attention_sinks": (lambda v: not isinstance(v, bool), "True or False"),
+    "large_kv_buffers": (lambda v: not isinstance(v, bool), "True or False"),
 }
 
 

@@ -151,6 +151,9 @@ class CudaBackend(AttentionBackend):
             sliding_window=True,
             logit_softcap=True,
             attention_sinks=True,
+            # every offset into a layer buffer that multiplies a slot or a head index is 64-bit
+            # (the Triton kernels and the C++ store)
+            large_kv_buffers=True,
         )
 
     def capabilities(self) -> Capabilities:

@@ -78,7 +78,9 @@ def _kv_store_kernel(
             if DENSE:
                 dst = offs
             else:
-                dst = (offs // HEAD_DIM) * stride_ch + offs % HEAD_DIM
+                # (the head's offset in 64 bits: a head-major cache's head stride times a
+                # head index passes 2**31 in a buffer of more than 2**31 elements)
+                dst = (offs // HEAD_DIM).to(tl.int64) * stride_ch + offs % HEAD_DIM
             k = tl.load(k_row + offs, mask=mask)
             v = tl.load(v_row + offs, mask=mask)
             tl.store(kc_row + dst, k, mask=mask)

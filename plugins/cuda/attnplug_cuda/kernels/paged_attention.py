@@ -45,7 +45,7 @@ PDL (``pdl.Schedule``): both kernels wait before their first load of what the pr
 kernel wrote. Under a ``prologue`` schedule the attention kernel reads the step's metadata
 before its wait, and a program sends its first ``PREFETCH`` key blocks' cached K/V lines to L2
 (``prefetch.global.L2``: a hint that holds no register and changes no result; columns
-without a key prefetch the cache's first line, inside the cache).
+without a key prefetch the kv head's first line, inside the cache).
 
 Storing the step (``loc``, decode and draft steps whose rows fit one tile): every program
 first stores kv head ``hk`` of its request's new K/V rows (the programs of one group's KV
@@ -213,11 +213,15 @@ def _paged_attention_kernel(
         s_hi = kv_hi
 
     t_row = table_row(keys, t_idx)
+    # kv head hk of the cache, its offset in 64 bits: a head index times the head stride
+    # passes 2**31 in a head-major buffer of more than 2**31 elements
+    K += hk.to(tl.int64) * kv_head_stride
+    V += hk.to(tl.int64) * kv_head_stride
     if PDL is not None:
         if PDL.wait == "prologue" and PLAN.PREFETCH > 0:
             # The cached K/V rows of the first PREFETCH key blocks do not depend on the
             # previous kernel: send their lines to L2 now, so the loads after the wait find them
-            # there or on their way. Columns without a key prefetch the cache's first line.
+            # there or on their way. Columns without a key prefetch the kv head's first line.
             offs_line = tl.arange(0, PF_LINES) * LINE_ELEMS
             line_ok = offs_line < HEAD_DIM
             for i in range(PLAN.PREFETCH):
@@ -225,7 +229,7 @@ def _paged_attention_kernel(
                     t_row, s_lo + i * BLOCK_N, s_hi, t_start, keys.width, num_slots, BLOCK_N, True
                 )
                 pf_ok = pf_key[:, None] & line_ok[None, :]
-                pf_row = pf_slot.to(tl.int64)[:, None] * kv_stride + hk * kv_head_stride + offs_line[None, :]
+                pf_row = pf_slot.to(tl.int64)[:, None] * kv_stride + offs_line[None, :]
                 pf_off = tl.where(pf_ok, pf_row, 0)
                 _prefetch_l2(K + pf_off)
                 _prefetch_l2(V + pf_off)
@@ -233,9 +237,12 @@ def _paged_attention_kernel(
     pdl_release(PDL, "wait")
 
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
+    # (heads in 64 bits too: q and out may be head-major views of more than 2**31 elements)
+    head64 = head.to(tl.int64)
+    q_off = q_rows[:, None] * stride_qt + head64[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=rd_mask, other=0.0)
 
-    kv_col = hk * kv_head_stride + offs_d  # in the cache
+    kv_col = offs_d  # in kv head hk's rows of the cache
     if New is not None:
         # Every program of the group stores kv head hk of the request's new rows (the tile
         # holds all of them: one row block; the first head of each token is its row), then
@@ -300,7 +307,7 @@ def _paged_attention_kernel(
         if Sinks is not None:  # the sink joins the denominator only (with splits: in the combine kernel, once)
             l_i, acc = fold_sink(m_i, l_i, acc, Sinks, head, row_valid)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_ptrs = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        o_ptrs = Out + q_rows[:, None] * stride_ot + head64[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=rd_mask)
     else:
         # partials laid out [T, H, NUM_SPLITS, (HEAD_DIM)]
@@ -326,7 +333,7 @@ def _split_combine_kernel(
     PDL: tl.constexpr,  # pdl.Schedule, or None
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     pdl_wait(PDL, "entry")
     base = (t * num_heads + h) * NUM_SPLITS
     offs_s = tl.arange(0, BLOCK_S)

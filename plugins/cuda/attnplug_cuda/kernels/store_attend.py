@@ -135,7 +135,7 @@ def _merge_splits(Out, Work, WorkL, WorkAcc, Sinks, gbase, q_start, hk, n_rows, 
     of each other and of the arithmetic, so a trip's are all in flight at once."""
     offs_r = tl.arange(0, ROWS)
     r_valid = offs_r < n_rows
-    r_head = hk * G + offs_r % G
+    r_head = (hk * G + offs_r % G).to(tl.int64)
     m_run = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     total = tl.zeros([ROWS], dtype=tl.float32)
     merged = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -292,7 +292,10 @@ def _store_attend_kernel(
             tl.store(K + dst, kn, mask=st_mask)
             tl.store(V + dst, vn, mask=st_mask)
 
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0)
+    # (heads in 64 bits: q and out may be head-major views of more than 2**31 elements)
+    head64 = head.to(tl.int64)
+    q_off = q_rows[:, None] * stride_qt + head64[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=rd_mask, other=0.0)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PLAN.OWN_BLOCK:  # the first block as laid out before the wait: cached keys only
@@ -366,7 +369,7 @@ def _store_attend_kernel(
             )
             # fmt: on
 
-    o_ptrs = Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    o_ptrs = Out + q_rows[:, None] * stride_ot + head64[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
         if Sinks is not None:  # joins the denominator only, once (in the merge when the range is split)
             l_i, acc = fold_sink(m_i, l_i, acc, Sinks, head, row_valid)
