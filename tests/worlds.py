@@ -9,6 +9,10 @@ test names only what it changes: ``small_spec(sliding_window=6)``.
   of 48 tokens: the shape the CUDA kernels' tests (tests/cuda) run in the Triton interpreter
   (``swa_layer_ids=(0,)`` for one SWA layer and one full).
 
+``drive_every_mode`` runs every mode (eager, or replayed through a graph runner) on a backend
+class in a ``kernel_spec`` world: what the Triton backends' interpreter tests compare with the
+reference backend.
+
 ``small_pool`` is the KV pool of the memory tests: 64 full and 32 SWA slots, layer 0 SWA and
 layer 1 full, 2 KV heads of 8, float32, on the host.
 """
@@ -50,3 +54,40 @@ def small_pool(**overrides) -> SWAKVPool:
     args.update(dtype=torch.float32, device=torch.device("cpu"), page_size=1)
     args.update(overrides)
     return SWAKVPool(**args)
+
+
+#: every mode, as ``drive_every_mode`` runs it: (mode, new tokens per request for EXTEND)
+EVERY_MODE = [
+    ("EXTEND", [5, 9, 13]),
+    ("DECODE", None),
+    ("TARGET_VERIFY", None),
+    ("EXTEND", [2, 1, 4]),
+    ("DRAFT_EXTEND", None),
+    ("DECODE", None),
+]
+
+
+def drive_every_mode(cls, device, *, use_graphs: bool, world_hook=None):
+    """``(outputs per step, every KV buffer after, the world)`` of three requests through
+    ``EVERY_MODE`` (3 drafts) on ``cls`` in a ``kernel_spec()`` world (seed 5), eagerly or
+    replayed through a graph runner (buckets 2 and 4); ``world_hook(world)`` runs first."""
+    from attnplug import ForwardMode
+    from attnplug_conformance.harness import World
+
+    spec = kernel_spec()
+    world = World(spec, cls, device, seed=5)
+    if world_hook is not None:
+        world_hook(world)
+    reqs = [world.new_request() for _ in range(3)]
+    runner = world.graph_runner(max_bs=4, num_draft_tokens=3, bucket_sizes=[2, 4]) if use_graphs else None
+    outs = []
+    for name, lens in EVERY_MODE:
+        mode = ForwardMode[name]
+        step = world.plan(mode, reqs, lens, num_draft_tokens=3 if mode.is_speculative else None)
+        out = runner.run(step.batch, step.inputs) if runner else world.run_eager(step)
+        outs.append(out.clone())
+        world.commit(step)
+        for r in reqs:
+            world.evict(r)
+    caches = [t.clone() for layer in range(spec.num_layers) for t in world.pool.get_kv_buffer(layer)]
+    return outs, caches, world

@@ -16,33 +16,14 @@ from attnplug.backends.reference import ReferenceBackend  # noqa: E402
 from attnplug_conformance.harness import World  # noqa: E402
 from attnplug_cuda.backend import CudaBackend  # noqa: E402
 from child import HANG_LIMIT_S
-from worlds import kernel_spec  # noqa: E402
+from worlds import drive_every_mode, kernel_spec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPEC = kernel_spec()
 
 
 def _drive(cls, use_graphs):
-    world = World(SPEC, cls, DEVICE, seed=5)
-    reqs = [world.new_request() for _ in range(3)]
-    runner = world.graph_runner(max_bs=4, num_draft_tokens=3, bucket_sizes=[2, 4]) if use_graphs else None
-    outs = []
-    plans = [
-        (ForwardMode.EXTEND, [5, 9, 13]),
-        (ForwardMode.DECODE, None),
-        (ForwardMode.TARGET_VERIFY, None),
-        (ForwardMode.EXTEND, [2, 1, 4]),
-        (ForwardMode.DRAFT_EXTEND, None),
-        (ForwardMode.DECODE, None),
-    ]
-    for mode, lens in plans:
-        step = world.plan(mode, reqs, lens, num_draft_tokens=3 if mode.is_speculative else None)
-        out = runner.run(step.batch, step.inputs) if runner else world.run_eager(step)
-        outs.append(out.clone())
-        world.commit(step)
-        for r in reqs:
-            world.evict(r)
-    caches = [t.clone() for l in range(SPEC.num_layers) for t in world.pool.get_kv_buffer(l)]
+    outs, caches, _ = drive_every_mode(cls, DEVICE, use_graphs=use_graphs)
     return outs, caches
 
 

@@ -3,7 +3,8 @@
 ``PortableBackend`` keeps every rule of the contract (docs/contract.md) with device tensors
 only, so it runs unchanged on any device PyTorch supports. The reference backend (the
 conformance suite's oracle) is this base under its own name; a plugin without fused kernels
-(Ascend, XPU, a new device's first backend) subclasses it and sets its ``device_part``. It is
+(a new device's first backend, XPU's fallback without Triton for XPU) subclasses it and sets
+its ``device_part``. It is
 written for clarity, not speed: each layer gathers the keys of every request into a padded
 ``[bs, K, num_kv_heads, head_dim]`` block and runs a masked softmax (logits soft-capped when
 the backend is built with ``logit_softcap``; the layer's ``sinks`` in the denominator).

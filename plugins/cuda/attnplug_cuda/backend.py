@@ -1,4 +1,12 @@
-"""The ``cuda`` backend: Triton (and optionally a CUDA C++ KV store) kernels with PDL, CUDA graphs.
+"""``TritonBackend``, the device-neutral Triton backend, and the ``cuda`` backend over it:
+Triton (and optionally a CUDA C++ KV store) kernels with PDL, CUDA graphs.
+
+``TritonBackend`` is the one home of the Triton path on every device: it runs this package's
+kernels, planner and step tables and takes every device decision from its class's
+``device_part`` (a ``triton_part.TritonDevicePart``: PDL compiled in or out, compute units,
+the C++ KV store, the plan defaults, the graph class). ``CudaBackend`` names ``CudaDevice``
+(NVIDIA; AMD on a ROCm torch, PDL compiled out); ``attnplug_xpu.triton_backend`` names the
+XPU's part.
 
 Per step, ONE kernel launch (``kernels.step_metadata``) builds everything the layers read: the
 hoisted ``swa_out_cache_loc`` (translated once, tail zeroed), ``cu_q_lens``, the window's
@@ -28,7 +36,7 @@ is ``CudaBackend(..., tuning=dataclasses.replace(tuning, ...))``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 
@@ -37,7 +45,7 @@ from attnplug.batch import BatchError, ForwardBatch
 from attnplug.env import validation_enabled
 from attnplug.graph_buffers import GraphBuffers
 
-from .device import CudaDevice, kv_store_choice
+from .device import CudaDevice
 from .kernels.interpret import interpreting
 from .planner import (
     AttentionShape,
@@ -47,45 +55,56 @@ from .planner import (
     plan_step,
 )
 from .step_tables import StepTables, graph_buffers
+from .triton_part import TritonDevicePart
 from .tuning import CudaTuning
 
-__all__ = ["CudaBackend"]
+__all__ = ["TritonBackend", "CudaBackend"]
 
+
+#: the device decisions of a backend whose device part is not a ``TritonDevicePart``
+_CUDA_PART = CudaDevice()
 
 #: the smallest head dim the kernels tile (a dot of a 16-wide K block)
 MIN_HEAD_DIM = 16
 
 
-class CudaBackend(AttentionBackend):
-    """Paged hybrid full + SWA attention on NVIDIA GPUs (see module docstring)."""
+class TritonBackend(AttentionBackend):
+    """Paged hybrid full + SWA attention through this package's Triton kernels on the device
+    of its ``device_part`` (see module docstring). Subclasses set ``name``, ``device_part``
+    and ``device_label``."""
 
-    name = "cuda"
     needs_cpu_seq_lens = False
     copies_replay_batch = True  # the one metadata launch also fills the runner's static batch
-    device_part = CudaDevice()
+    device_part: ClassVar[TritonDevicePart]
+    #: the device as a refused pool's message names it
+    device_label: ClassVar[str] = "a CUDA device"
 
     def __init__(self, pool, req_to_token_pool, *, tuning: Optional[CudaTuning] = None, **layer):
         """``layer``: what every backend takes (``num_heads``, ``sliding_window``, ``scaling``,
-        ``logit_softcap``: ``AttentionBackend``); ``tuning``: ``CudaTuning.from_env()`` when
-        None."""
+        ``logit_softcap``: ``AttentionBackend``); ``tuning``: the device part's
+        ``default_tuning()`` when None."""
         super().__init__(pool, req_to_token_pool, **layer)
-        if self.device.type != "cuda" and not interpreting():
+        part = self.triton_part()
+        if self.device.type != part.device_type and not interpreting():
             raise ValueError(
-                f"the cuda backend needs a pool on a CUDA device, got {self.device} "
+                f"the {self.name} backend needs a pool on {self.device_label}, got {self.device} "
                 "(on the CPU it runs only under the Triton interpreter, TRITON_INTERPRET=1)"
             )
         if self.head_dim < MIN_HEAD_DIM:
             raise BackendConfigError(
-                f"head_dim={self.head_dim}: the cuda backend's kernels need head_dim >= {MIN_HEAD_DIM} "
+                f"head_dim={self.head_dim}: the {self.name} backend's kernels need head_dim >= {MIN_HEAD_DIM} "
                 f"(it declares {list(self.declared_capabilities().head_dims)})"
             )
-        from .kernels import common, kv_store, paged_attention, pdl, step_metadata, store_attend
+        self._check_runtime()
+        from .kernels import common, kv_store, paged_attention, step_metadata, store_attend
 
-        tuning = tuning if tuning is not None else CudaTuning.from_env()
+        tuning = tuning if tuning is not None else part.default_tuning()
         if not isinstance(tuning, CudaTuning):
             raise TypeError(f"tuning must be a CudaTuning, got {type(tuning).__name__}")
-        self.kv_store_impl, self.kv_store_reason = kv_store_choice(tuning.kv_store)
-        ok, self.pdl_reason = pdl.pdl_supported(self.device)
+        self.kv_store_impl, self.kv_store_reason = part.kv_store_choice(tuning.kv_store)
+        # PDL is decided here, once, from the device part: the plans carry it into every
+        # kernel as a constexpr (None without PDL), so no PDL code is compiled without it.
+        ok, self.pdl_reason = part.pdl_support(self.device)
         self.pdl = ok and tuning.pdl
         if ok and not tuning.pdl:
             self.pdl_reason = "turned off by the tuning (pdl=False)"
@@ -106,7 +125,7 @@ class CudaBackend(AttentionBackend):
             head_dim=self.head_dim,
             max_context_len=self.max_context_len,
             window=self.sliding_window if self.has_swa else None,
-            num_sms=common.num_sms(self.device),
+            num_sms=part.compute_units(self.device),
         )
         self.forward_metadata: Optional[StepTables] = None
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
@@ -130,11 +149,21 @@ class CudaBackend(AttentionBackend):
         )
 
     @classmethod
+    def triton_part(cls) -> TritonDevicePart:
+        """The device decisions: ``device_part`` where it is a ``TritonDevicePart``; CUDA's
+        otherwise (a subclass that swapped in a plain ``DevicePart`` for its graphs)."""
+        part = cls.device_part
+        return part if isinstance(part, TritonDevicePart) else _CUDA_PART
+
+    def _check_runtime(self) -> None:
+        """Refuse, naming what is missing, where the device's Triton cannot run (default: none)."""
+
+    @classmethod
     def paged_ops(cls, device, tuning: Optional[CudaTuning] = None):
         """The same kernels over caches an engine owns (``attnplug_cuda.ops.CudaOps``)."""
         from .ops import CudaOps
 
-        return CudaOps(device, tuning)
+        return CudaOps(device, tuning, part=cls.triton_part())
 
     # ------------------------------------------------------------------ description
     @classmethod
@@ -143,7 +172,7 @@ class CudaBackend(AttentionBackend):
         return Capabilities(
             device_type=cls.device_part.device_type,
             needs_cpu_seq_lens=cls.needs_cpu_seq_lens,
-            pdl=True,
+            pdl=cls.triton_part().declares_pdl,
             graphs=GraphSupport.UNIFORM,
             dtypes=(torch.float16, torch.bfloat16),
             head_dims=(64, 128, 256),
@@ -157,7 +186,7 @@ class CudaBackend(AttentionBackend):
         )
 
     def capabilities(self) -> Capabilities:
-        return self.installed_capabilities().for_instance(device_type=self.device.type, pdl=self.pdl)
+        return self.installed_capabilities().for_instance(device_type=self.device.type, pdl=getattr(self, "pdl", False))
 
     # ------------------------------------------------------------------ metadata
     def _plan(self, bs: int, num_tokens: int, max_q_len: int):
@@ -233,7 +262,7 @@ class CudaBackend(AttentionBackend):
     def set_cuda_graph_state(self, state: GraphBuffers) -> None:
         if not isinstance(state, GraphBuffers) or state.device != self.device or "table_rows" not in state.shared:
             raise TypeError(
-                f"state must be the GraphBuffers of a cuda backend on {self.device} "
+                f"state must be the GraphBuffers of a {self.name} backend on {self.device} "
                 f"(get_cuda_graph_state()), got {type(state).__name__}"
             )
         self._use_graph_buffers(state)
@@ -248,7 +277,7 @@ class CudaBackend(AttentionBackend):
         if self._graph_buffers is None:
             raise RuntimeError("init_cuda_graph_state() must run before capture or replay")
         if batch.q_len is None:
-            raise ValueError(f"{batch.forward_mode.name} steps are not captured by the cuda backend (UNIFORM)")
+            raise ValueError(f"{batch.forward_mode.name} steps are not captured by the {self.name} backend (UNIFORM)")
         key = (batch.batch_size, batch.q_len)
         t = self._graph_tables.get(key)
         if t is None:
@@ -391,3 +420,12 @@ class CudaBackend(AttentionBackend):
         return self._paged_attention(
             q, k_cache, v_cache, out, inputs, layer.kernel, new=new, workspace=t.workspace, pdl=pdl
         )
+
+
+class CudaBackend(TritonBackend):
+    """Paged hybrid full + SWA attention on NVIDIA GPUs, and on AMD GPUs through a ROCm build
+    of torch with PDL compiled out (see module docstring)."""
+
+    name = "cuda"
+    device_part = CudaDevice()
+    device_label = "a CUDA device"

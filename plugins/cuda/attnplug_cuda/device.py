@@ -9,8 +9,12 @@
 * ``strict_sync_guard()``: any host-device synchronisation inside the block raises
   (``torch.cuda.set_sync_debug_mode("error")``).
 
-* ``CudaDevice``: the ``DevicePart`` the cuda backend names; on a machine without CUDA (the
-  kernels under the Triton interpreter) it falls back to the core's eager stand-ins.
+* ``CudaDevice``: the ``TritonDevicePart`` the cuda backend names; on a machine without CUDA
+  (the kernels under the Triton interpreter) it falls back to the core's eager stand-ins.
+  On a ROCm build of torch (``torch.version.hip``) the same backend runs the same Triton
+  kernels on AMD GPUs, with PDL compiled out (``pdl_support`` answers False before any plan
+  is made: the ``griddepcontrol`` variant does not link for AMD) and the Triton KV store
+  (the C++ store is CUDA C++).
   ``describe()`` reads only the environment and the installed tools: no CUDA context, no build.
 * ``kv_store_choice``: the KV store kernel a backend gets (the C++ one where it builds).
 
@@ -24,12 +28,17 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from attnplug.device_part import DevicePart
 from attnplug.graphs import PoolOps, StreamGraph
 
 from . import env
+from .triton_part import TritonDevicePart
 
-__all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice"]
+__all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice", "rocm_version"]
+
+
+def rocm_version():
+    """The HIP version of a ROCm build of torch (None on a CUDA or CPU build)."""
+    return getattr(torch.version, "hip", None) or None
 
 
 def _pool_ops() -> PoolOps:
@@ -59,6 +68,8 @@ def kv_store_choice(wanted: str, build: bool = True) -> Tuple[str, str]:
     nothing is built or loaded: ``cpp`` then means its prerequisites are met)."""
     if wanted == "triton":
         return "triton", f"default ({env.KV_STORE.name}=cpp selects the CUDA C++ KV store)"
+    if rocm_version():
+        return "triton", f"ROCm {rocm_version()}: the CUDA C++ KV store is CUDA-only (no HIP port)"
     from .cpp_ext import cpp_ext_status, try_load_ext
 
     ok, reason = cpp_ext_status(build=build)
@@ -67,11 +78,26 @@ def kv_store_choice(wanted: str, build: bool = True) -> Tuple[str, str]:
     return "triton", f"the CUDA C++ KV store is unavailable: {reason}"
 
 
-class CudaDevice(DevicePart):
+class CudaDevice(TritonDevicePart):
     """CUDA graphs and the strict sync guard where CUDA is available; the core's eager
-    stand-ins otherwise (the kernels under the Triton interpreter on a CPU)."""
+    stand-ins otherwise (the kernels under the Triton interpreter on a CPU). NVIDIA and, on a
+    ROCm torch, AMD GPUs (PDL compiled out there)."""
 
     device_type = "cuda"
+    declares_pdl = True
+
+    def pdl_support(self, device: torch.device):
+        from .kernels import pdl
+
+        return pdl.pdl_supported(device)
+
+    def compute_units(self, device: torch.device) -> int:
+        from .kernels import common  # read at call time (a test may stand in another count)
+
+        return common.num_sms(device)
+
+    def kv_store_choice(self, wanted: str, build: bool = True):
+        return kv_store_choice(wanted, build=build)
 
     def new_graph(self):
         return cuda_graph() if torch.cuda.is_available() else super().new_graph()
@@ -87,9 +113,15 @@ class CudaDevice(DevicePart):
         """The PDL rule and the KV store choice, from the environment and the installed tools
         only: no CUDA context is created and nothing is built."""
         store, store_reason = kv_store_choice(env.kv_store_kernel(), build=False)
-        pdl_rule = (
-            "off: ATTNPLUG_DISABLE_PDL is set"
-            if env.pdl_disabled()
-            else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)"
-        )
-        return {"pdl_rule": pdl_rule, "kv_store": store, "kv_store_reason": store_reason}
+        hip = rocm_version()
+        if hip:
+            pdl_rule = f"off: ROCm {hip} build of torch (compiled out: no griddepcontrol on AMD)"
+            platform = f"ROCm {hip}: AMD GPUs run this backend's Triton kernels, PDL compiled out"
+        else:
+            pdl_rule = (
+                "off: ATTNPLUG_DISABLE_PDL is set"
+                if env.pdl_disabled()
+                else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)"
+            )
+            platform = "CUDA (NVIDIA); on a ROCm torch: AMD GPUs, PDL compiled out"
+        return {"pdl_rule": pdl_rule, "platform": platform, "kv_store": store, "kv_store_reason": store_reason}

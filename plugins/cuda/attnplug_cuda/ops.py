@@ -32,24 +32,29 @@ class CudaOps(PagedOps):
 
     name = "cuda"
 
-    def __init__(self, device, tuning: Optional[CudaTuning] = None) -> None:
+    def __init__(self, device, tuning: Optional[CudaTuning] = None, part=None) -> None:
+        """``part``: the device's ``TritonDevicePart`` (the backend's; ``CudaDevice`` when None)."""
         super().__init__(device)
-        if self.device.type != "cuda" and not interpreting():
+        if part is None:
+            from .device import CudaDevice
+
+            part = CudaDevice()
+        if self.device.type != part.device_type and not interpreting():
             raise ValueError(
-                f"the cuda ops need a CUDA device, got {self.device} "
+                f"the {part.device_type} ops need a {part.device_type} device, got {self.device} "
                 "(on the CPU they run only under the Triton interpreter, TRITON_INTERPRET=1)"
             )
         from .kernels import common, kv_store, paged_attention, pdl
 
-        tuning = tuning if tuning is not None else CudaTuning.from_env()
-        ok, self.pdl_reason = pdl.pdl_supported(self.device)
+        tuning = tuning if tuning is not None else part.default_tuning()
+        ok, self.pdl_reason = part.pdl_support(self.device)
         #: the tuning these ops run with (the Triton KV store: the C++ one needs contiguous caches)
         self.tuning = dataclasses.replace(tuning, kv_store="triton")
         self.pdl = ok and tuning.pdl
         self._schedule = pdl.PLAIN if self.pdl else None
         self._kv_store, self._paged_attention = kv_store.kv_store, paged_attention.paged_attention
         self._inputs, self._key_table = common.AttentionInputs, common.KeyTable
-        self._num_sms = common.num_sms(self.device)
+        self._num_sms = part.compute_units(self.device)
         self._rows: Optional[torch.Tensor] = None
 
     def _table_rows(self, n: int) -> torch.Tensor:

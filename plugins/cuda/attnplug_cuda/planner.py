@@ -269,11 +269,17 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     # at most 128 keys a block, pipelined.
     crowded = groups > num_sms
     wide = 256 if not (crowded or paired) and (unsplit or 512 <= share <= 1024) else 128
-    block_n = max(16, min(block_n, wide if block_d <= 128 else 64))
+    block_n = max(16, min(block_n, wide if block_d <= 128 else 64, t.max_block_n))
     # Software pipelining only where a split's share holds more than eight key blocks (four
     # for paired programs), or the programs are crowded: one or a few blocks run faster in one
     # stage.
     stages = 2 if crowded or share > (4 if paired else 8) * block_n else 1
+    # 8 warps for a block of 128 x 128 or more alone on its SM; 4 otherwise (programs sharing
+    # an SM); a device may ask more of every large block (``min_flash_warps``).
+    big = block_n * block_d >= 128 * 128
+    warps = 8 if big and not (crowded or paired) else 4
+    if big:
+        warps = max(warps, t.min_flash_warps)
     return OneLaunchPlan(
         ROWS=rows,
         TOKENS=_pow2(max(1, max_q_len)),
@@ -283,7 +289,7 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
         # Decode steps of up to one group an SM lay their first key block out for the
         # products before the wait and fold the step's own key in as a vector afterwards.
         OWN_BLOCK=decode and groups <= num_sms,
-        num_warps=8 if block_n * block_d >= 128 * 128 and not (crowded or paired) else 4,
+        num_warps=warps,
         num_stages=stages,
     )
 
@@ -313,7 +319,8 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         num_warps, num_stages = 4, 2
     else:  # flash-attention tiles
         block_n = 128 if (block_m == 128 and block_d <= 128) else (64 if block_d <= 128 else 32)
-        num_warps, num_stages = (8 if block_m * block_d >= 128 * 128 else 4), 2
+        num_warps, num_stages = max(8 if block_m * block_d >= 128 * 128 else 4, t.min_flash_warps), 2
+    block_n = min(block_n, t.max_block_n)
     span = max(1, max_kv_len)
     if window is not None:
         span = min(span, max(1, max_q_len) + window - 1)

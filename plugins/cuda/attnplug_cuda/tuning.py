@@ -70,6 +70,13 @@ class CudaTuning:
     #: split the KV range until about this many programs an SM exist
     paged_programs_per_sm: int = 3
 
+    # the device's tiles (``TritonDevicePart.default_tuning``: other devices other defaults)
+    #: the widest key block of any plan (a power of two >= 16)
+    max_block_n: int = 256
+    #: the fewest warps of a flash-attention tile (``paged_attention`` tiles of more than 16
+    #: rows, ``store_attend`` blocks of 128 x 128 or more)
+    min_flash_warps: int = 4
+
     def __post_init__(self) -> None:
         if self.kv_store not in env.KV_STORE_KERNELS:
             raise ValueError(f"kv_store must be one of {env.KV_STORE_KERNELS}, got {self.kv_store!r}")
@@ -81,7 +88,9 @@ class CudaTuning:
             elif f.type in ("int", int):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
-        for name in ("one_launch_rows", "paged_store_rows", "one_launch_max_splits", "paged_max_splits"):
+        if self.max_block_n < 16:
+            raise ValueError(f"max_block_n must be >= 16, got {self.max_block_n}")
+        for name in ("one_launch_rows", "paged_store_rows", "one_launch_max_splits", "paged_max_splits", "max_block_n"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")

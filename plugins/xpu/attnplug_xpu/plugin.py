@@ -1,4 +1,6 @@
-"""Registers the ``xpu`` backend (entry point ``xpu`` in the ``attnplug.backends`` group)."""
+"""Registers the ``xpu`` backend (entry point ``xpu`` in the ``attnplug.backends`` group): the
+Triton kernels on ``torch.xpu`` (``triton_backend.XpuTritonBackend``); the portable fallback
+(``backend.XpuPortableBackend``) is selected by ``module:Class`` (docs/xpu.md)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,17 @@ def probe() -> ProbeResult:
         )
     count = torch.xpu.device_count()
     ipex = "with" if importlib.util.find_spec("intel_extension_for_pytorch") is not None else "without"
+    from .device import FALLBACK, triton_xpu_status
+
+    found, why = triton_xpu_status()
+    kernels = "Triton kernels" if found else f"no Triton for XPU ({why}): use the portable fallback {FALLBACK}"
     return ProbeResult(
-        True, f"{count} Intel XPU(s) visible, torch {torch.__version__} {ipex} IPEX", device=f"xpu ({count} visible)"
+        True,
+        f"{count} Intel XPU(s) visible, torch {torch.__version__} {ipex} IPEX; {kernels}",
+        device=f"xpu ({count} visible)",
     )
 
 
 @hookimpl
 def attnplug_register_backends(register):
-    register(name="xpu", backend="attnplug_xpu.backend:XpuBackend", probe=probe, priority=100)
+    register(name="xpu", backend="attnplug_xpu.triton_backend:XpuTritonBackend", probe=probe, priority=100)

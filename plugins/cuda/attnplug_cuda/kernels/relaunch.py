@@ -13,6 +13,9 @@ have the same types (same tensor dtypes, ints of the same width). Callers build 
 ``Relaunch`` when any other argument changes. Where no compiled kernel comes back (the
 interpreter), it re-runs the normal path.
 
+The direct launcher call is the CUDA and HIP drivers' launcher signature: on any other
+Triton backend (Intel's XPU) every call takes the normal path.
+
 Host work per call: one current-stream lookup and the compiled launcher (plus one tuple
 concatenation when the per-step arguments are replaced). The launcher takes a tensor argument
 either as a tensor (then it calls ``data_ptr()`` and asks the driver whether the address is
@@ -51,7 +54,7 @@ class Relaunch:
         self.per_step = per_step
         self._rest: Tuple[Any, ...] = ()
         compiled = jit_fn[grid](*self.args, **kwargs)
-        self._compiled = compiled if hasattr(compiled, "packed_metadata") else None
+        self._compiled = compiled if hasattr(compiled, "packed_metadata") and _direct_launcher() else None
         self._all: Tuple[Any, ...] = ()
         if self._compiled is not None:
             values = dict(zip(jit_fn.arg_names, self.args))
@@ -92,6 +95,18 @@ class Relaunch:
             hooks.launch_exit_hook,
             *all_args,
         )
+
+
+def _direct_launcher() -> bool:
+    """Whether ``__call__`` may call the compiled launcher directly: False only where the
+    active Triton driver is known and is neither CUDA nor HIP (Intel's XPU backend)."""
+    from triton.runtime import driver
+
+    try:
+        backend = driver.active.get_current_target().backend
+    except Exception:  # no active driver to ask: a compiled kernel came back, keep its launcher
+        return True
+    return backend in ("cuda", "hip")
 
 
 def _address(arg: Any) -> Any:
