@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +37,7 @@ from attnplug_conformance.exact import LONG_TOL, dense_attention, row_errors
 from attnplug_conformance.harness import World
 from attnplug_conformance.rules import SCALE
 from attnplug_conformance.scale import PROMPTS, STEPS, hold_below, release, require_memory, scale_layout
+from child import HANG_LIMIT_S
 from mutants.scale import (
     AcceptsUndeclaredLargeKvBuffers,
     Int32SlotOffsets,
@@ -222,3 +227,29 @@ def test_undeclared_refused_fails_a_backend_that_accepts_the_pool():
     result = cases["undeclared_refused"]
     assert result.outcome == "failed" and result.message.startswith(SCALE), result
     assert "accepted a pool" in result.message
+
+
+@pytest.mark.slow
+def test_cuda_kernels_pass_the_check():
+    """The cuda backend's kernels (on a GPU, or under the Triton interpreter on the host) in
+    ``check_large_kv_buffers``' world, in a child process (a wrapped address can kill it). Here,
+    beside the other tests that build the 8.7 GB world, so that one worker runs them one after
+    another."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or the Triton interpreter")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "tests"), os.environ.get("PYTHONPATH", "")]))
+    args = ["--attnplug-backend", "attnplug_cuda.backend:CudaBackend", "--attnplug-device", device]
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *args, "-rs"]
+        + ["-k", "check_large_kv_buffers and past_2_31"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_LIMIT_S,
+        env=env,
+        cwd=repo,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout or " skipped" in res.stdout, res.stdout[-2000:]
