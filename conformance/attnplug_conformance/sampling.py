@@ -38,15 +38,13 @@ from hypothesis import strategies as st
 
 from attnplug import Capabilities
 
-from .config import SUITE_HEAD_DIMS, TestConfig, dtype_name
+from .config import SUITE_DTYPES, SUITE_HEAD_DIMS, TestConfig, dtype_name
 from .worlds import DIMENSIONS, SampledWorld, run_world
 
 __all__ = ["DIMENSIONS", "PROFILES", "world_strategy", "sample_worlds"]
 
 #: worlds per dimension: the default run, ``--attnplug-thorough``
 PROFILES: Dict[str, int] = {"default": 10, "thorough": 60}
-
-_HALF = ("float16", "bfloat16")
 
 
 def _mild_requests(draw) -> tuple:
@@ -67,7 +65,7 @@ def world_strategy(dimension: str, caps: Capabilities, cfg: TestConfig) -> st.Se
         raise ValueError(f"unknown world dimension {dimension!r} (one of {', '.join(DIMENSIONS)})")
     head_dims = [d for d in SUITE_HEAD_DIMS if d in caps.head_dims] or [cfg.head_dim]
     paged = sorted(p for p in caps.page_sizes if p > 1) or sorted(caps.page_sizes)
-    halves = [d for d in _HALF if any(dtype_name(x) == d for x in caps.dtypes)]
+    halves = [dtype_name(d) for d in SUITE_DTYPES if d in caps.dtypes and d.itemsize == 2]
     windows = [4, None, 8] if caps.sliding_window else [None]
 
     @st.composite

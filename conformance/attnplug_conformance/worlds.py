@@ -30,11 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-import torch
-
 from attnplug import ForwardMode
 
-from .config import dtype_name, spec_sizes
+from .config import SUITE_DTYPES, dtype_name, spec_sizes
 from .exact import assert_matches_exact, dense_attention
 from .harness import World, WorldSpec
 from .instruments import POISONS, poison_free_rows
@@ -42,8 +40,8 @@ from .rules import WORLDS
 
 __all__ = ["SampledWorld", "run_world", "world_spec", "DTYPES", "DIMENSIONS"]
 
-#: the dtypes a world names, by name (so that its repr stays valid Python)
-DTYPES = {dtype_name(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+#: the dtypes a world names, by name (so that its repr stays valid Python): the suite's dtypes
+DTYPES = {dtype_name(d): d for d in SUITE_DTYPES}
 _SPECULATIVE = ("TARGET_VERIFY", "DRAFT_EXTEND")
 #: the dimensions of the space the suite samples worlds from (``sampling`` draws each one)
 DIMENSIONS = ("head_groups", "draft_widths", "poison", "half_magnitudes", "batch_composition", "page_edges")

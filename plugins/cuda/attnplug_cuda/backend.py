@@ -186,7 +186,7 @@ class TritonBackend(AttentionBackend):
         )
 
     def capabilities(self) -> Capabilities:
-        return self.installed_capabilities().for_instance(device_type=self.device.type, pdl=getattr(self, "pdl", False))
+        return self.installed_capabilities().for_instance(device_type=self.device.type, pdl=self.pdl)
 
     # ------------------------------------------------------------------ metadata
     def _plan(self, bs: int, num_tokens: int, max_q_len: int):
