@@ -33,6 +33,8 @@ for sub in ("plugins/cuda", "core"):
 
 import torch  # noqa: E402
 
+from attnplug.memory.fp8 import KV_CACHE_DTYPE_NAMES  # noqa: E402
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -47,7 +49,7 @@ def _timed(device, fn) -> float:
     return time.perf_counter() - start
 
 
-def profile(bs: int, compile_model: bool, new_tokens: int, quick: bool, top: int) -> None:
+def profile(bs: int, compile_model: bool, new_tokens: int, quick: bool, top: int, kv_cache_dtype: str = "auto") -> None:
     from attnplug.bench.model_decode import GEMMA3_1B, QUICK_CONFIG, build_model
     from attnplug.integrations.transformers import Engine
 
@@ -57,7 +59,15 @@ def profile(bs: int, compile_model: bool, new_tokens: int, quick: bool, top: int
     vocab = config["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (bs, 128 if not quick else 24), generator=gen).tolist()
-    engine = Engine(model, None, max_batch_size=bs, max_context_len=512, progress=False, compile=compile_model)
+    engine = Engine(
+        model,
+        None,
+        max_batch_size=bs,
+        max_context_len=512,
+        progress=False,
+        compile=compile_model,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     t0 = time.perf_counter()
     engine.generate(prompts, new_tokens)  # warm-up: capture (and compile)
     warm = time.perf_counter() - t0
@@ -110,9 +120,10 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="the tiny config (the host)")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_CACHE_DTYPE_NAMES), help="the KV cache")
     args = parser.parse_args()
     for bs in args.bs:
-        profile(bs, args.compile, args.new_tokens, args.quick, args.top)
+        profile(bs, args.compile, args.new_tokens, args.quick, args.top, args.kv_cache_dtype)
     return 0
 
 

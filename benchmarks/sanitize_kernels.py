@@ -9,8 +9,12 @@ with the one-launch path off (``CudaTuning(one_launch=False)``), for decode and 
 storing the step in its own launch (split KV + combine; the PDL prologue and early release),
 on SWA and full layers, eager and in a captured graph; and the op layer engines call
 (``CudaBackend.paged_ops``: the strided store and paged attention over the K/V halves of an
-interleaved ``[blocks, 16, Hkv, 2 * D]`` cache, -1 padding, a split long request). Public API
-only: the backend, its tuning, its op layer and the conformance harness's world.
+interleaved ``[blocks, 16, Hkv, 2 * D]`` cache, -1 padding, a split long request). Then the
+same over FP8 KV caches (``float8_e4m3fn`` and ``float8_e5m2``, a bfloat16 model, per-head
+scales): the stores quantising, the FP8 tiles read with the scales folded in, through the
+one-launch and the paged paths, and the op layer with one scale a layer (a stride-0 view) and
+per-head scales. Public API only: the backend, its tuning, its op layer and the conformance
+harness's world.
 Small on purpose: the sanitizer slows kernels by orders of magnitude. Run it once without the
 sanitizer first, so that Triton's cache holds its kernels: on a machine whose cache was empty,
 memcheck and racecheck had not reached a kernel after 150 seconds (most likely compiling under
@@ -32,9 +36,10 @@ MODEL = dict(num_layers=2, swa_layer_ids=(0,), num_heads=32, num_kv_heads=8, hea
 SPEC = WorldSpec(**MODEL, sliding_window=16, size=4096, size_swa=1024, max_reqs=8, max_context_len=1024)
 
 
-def _steps(backend_cls) -> World:
-    """A prefill, an eager decode, then a decode and a verify step replayed from graphs."""
-    world = World(SPEC, backend_cls, "cuda", seed=0)
+def _steps(backend_cls, kv_dtype=None) -> World:
+    """A prefill, an eager decode, then a decode and a verify step replayed from graphs;
+    ``kv_dtype``: an FP8 pool (the harness's per-head scales) under the bfloat16 model."""
+    world = World(dataclasses.replace(SPEC, kv_cache_dtype=kv_dtype), backend_cls, "cuda", seed=0)
     reqs = [world.new_request() for _ in range(3)]
     step = world.plan(ForwardMode.EXTEND, reqs, [40, 700, 100])
     world.run_eager(step)
@@ -52,12 +57,14 @@ def _steps(backend_cls) -> World:
     return world
 
 
-def _engine_ops(backend_cls) -> None:
+def _engine_ops(backend_cls, kv_dtype=torch.bfloat16, scales=None) -> None:
     """The op layer over a cache laid out as vLLM lays it out: store (with -1 padding), plan,
-    attend (a 700-key request splits the KV range; a window on the second call)."""
+    attend (a 700-key request splits the KV range; a window on the second call); ``kv_dtype``
+    an FP8 dtype with ``scales`` = (k_scale, v_scale) float32 CUDA tensors."""
     ops = backend_cls.paged_ops(torch.device("cuda"))
     P, hkv, D, H = 16, 8, 128, 32
-    kv = torch.zeros(64, P, hkv, 2 * D, dtype=torch.bfloat16, device="cuda")
+    scale_kw = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
+    kv = torch.zeros(64, P, hkv, 2 * D, dtype=kv_dtype, device="cuda")
     kc, vc = kv[..., :D], kv[..., D:]
     seq = [700, 5]  # one new token of request 0, five of request 1
     table = torch.zeros(2, 48, dtype=torch.int32, device="cuda")
@@ -65,12 +72,12 @@ def _engine_ops(backend_cls) -> None:
     table[1, 0] = 50
     slots = [table[0, 699 // P].item() * P + 699 % P] + [50 * P + i for i in range(5)] + [-1, -1]
     k = torch.randn(8, hkv, D, dtype=torch.bfloat16, device="cuda")
-    ops.store_kv(k, k, kc, vc, torch.tensor(slots, device="cuda"))
+    ops.store_kv(k, k, kc, vc, torch.tensor(slots, device="cuda"), **scale_kw)
     qsl = torch.tensor([0, 1, 6], dtype=torch.int32, device="cuda")
     step = ops.plan(qsl, torch.tensor(seq, device="cuda"), table, P, num_tokens=6, max_query_len=5, max_seq_len=700)
     q = torch.randn(6, H, D, dtype=torch.bfloat16, device="cuda")
-    ops.attend(q, kc, vc, step, scale=0.09)
-    ops.attend(q, kc, vc, step, scale=0.09, window=64)
+    ops.attend(q, kc, vc, step, scale=0.09, **scale_kw)
+    ops.attend(q, kc, vc, step, scale=0.09, window=64, **scale_kw)
 
 
 def main() -> int:
@@ -81,6 +88,13 @@ def main() -> int:
     world = _steps(CudaBackend)
     _steps(functools.partial(CudaBackend, tuning=paged))
     _engine_ops(CudaBackend)
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # FP8 caches: quantising stores, scaled reads
+        _steps(CudaBackend, kv_dtype)
+        _steps(functools.partial(CudaBackend, tuning=paged), kv_dtype)
+    one = torch.tensor([0.05], device="cuda")  # an engine's one scale a layer (a stride-0 view)
+    _engine_ops(CudaBackend, torch.float8_e4m3fn, (one, one * 2))
+    per_head = torch.linspace(0.01, 0.2, 8, device="cuda")
+    _engine_ops(CudaBackend, torch.float8_e5m2, (per_head, per_head.flip(0)))
     from attnplug_cuda.cpp_ext import cpp_ext_status, kv_store
 
     ok, reason = cpp_ext_status()

@@ -31,8 +31,14 @@ def _suite(backend: str, *args: str) -> Tuple[int, ResultCollector]:
     return run_pytest(str(CHECKS_DIR), "--attnplug-backend", backend, "-p", "no:unraisableexception", *args)
 
 
+#: ``-k`` of a run without FP8 KV caches: the axis' test ids end in ``-kv_fp8_e4m3`` /
+#: ``-kv_fp8_e5m2`` (``attnplug_conformance.config.kv_id``), the model check's FP8 cases in
+#: ``-kv_fp8_e4m3`` / ``-kv_fp8_e5m2`` (``attnplug_conformance.model_check.ModelCase.id``)
+WITHOUT_FP8_AXIS = "not kv_fp8"
+
 #: the one case of the suite that builds a layer buffer past 2**31 elements (about 8.7 GB
-#: where the machine has the memory): a whole-suite run of these tests leaves it out, so that
+#: where the machine has the memory; its FP8 variants ``past_2_31-kv_fp8_*`` 4.4 GB, matched by
+#: the same keyword): a whole-suite run of these tests leaves it out, so that
 #: test workers never build it side by side; ``tests/conformance/test_scale_mutant.py`` runs it,
 #: its tests one after another on one worker
 LARGE_BUFFERS_CASE = "past_2_31"

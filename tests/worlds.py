@@ -15,6 +15,10 @@ reference backend.
 
 ``small_pool`` is the KV pool of the memory tests: 64 full and 32 SWA slots, layer 0 SWA and
 layer 1 full, 2 KV heads of 8, float32, on the host.
+
+``fp8_spec``: ``small_spec`` over an FP8 KV cache (float8_e4m3fn unless given) under a float16
+model, the FP8 worlds of the conformance suite's axis (``attnplug_conformance.harness``: per-head
+scales set at construction, part of the heads saturating).
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ KERNEL = dict(
 def small_spec(**overrides) -> WorldSpec:
     """``SMALL`` with ``overrides``."""
     return WorldSpec(**{**SMALL, **overrides})
+
+
+def fp8_spec(kv_cache_dtype: torch.dtype = torch.float8_e4m3fn, **overrides) -> WorldSpec:
+    """``SMALL`` over an FP8 cache of ``kv_cache_dtype``, float16 model, with ``overrides``."""
+    return small_spec(**{"dtype": torch.float16, "kv_cache_dtype": kv_cache_dtype, **overrides})
 
 
 def tiny_spec(**overrides) -> WorldSpec:

@@ -12,15 +12,18 @@ import pytest
 import torch
 
 from .config import ATTENTION_TOL, dtype_name
-from .harness import World
+from .harness import World, kv_bits
 from .rules import ALL_RULES, ATTENTION
 
 __all__ = [
     "conformance_check",
     "layer_kind",
+    "cache_note",
     "assert_attention_close",
     "assert_caches_equal",
     "changed_rows",
+    "kv_bits",
+    "same_bits",
     "show_rows",
 ]
 
@@ -69,6 +72,11 @@ def layer_kind(world: World, layer: int) -> str:
     return "full"
 
 
+def cache_note(world: World) -> str:
+    """`` over a float8_e4m3fn KV cache (dequantised)`` for an FP8 world's failure messages, else ``""``."""
+    return f" over a {dtype_name(world.pool.dtype)} KV cache (dequantised)" if world.pool.is_fp8 else ""
+
+
 def assert_attention_close(
     actual: torch.Tensor,
     expected: torch.Tensor,
@@ -103,15 +111,25 @@ def assert_attention_close(
         pytest.fail(
             f"{rule}: {what}: layer {l} ({layer_kind(world, l)}) token {t} head {h}: "
             f"got {a[t, l, h, d]:.6g}, expected {e[t, l, h, d]:.6g} (|diff| {abs(a[t, l, h, d] - e[t, l, h, d]):.3g}; "
-            f"{n_bad} of {a.numel()} values outside atol {atol:g} + rtol {rtol:g} for {dtype_name(dtype)})"
+            f"{n_bad} of {a.numel()} values outside atol {atol:g} + rtol {rtol:g} for {dtype_name(dtype)}"
+            f"{cache_note(world)})"
         )
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype have the same shape and the same bits (``kv_bits``:
+    FP8 caches included; a NaN equals its own bits)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(kv_bits(a), kv_bits(b)))
+
+
 def changed_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """Host int64: rows (slots) of a ``[slots, Hkv, D]`` buffer whose values differ."""
-    if before.shape == after.shape and torch.equal(before, after):
+    """Host int64: rows (slots) of a ``[slots, Hkv, D]`` buffer whose bits differ (any dtype, FP8
+    included)."""
+    if same_bits(before, after):
         return torch.zeros(0, dtype=torch.int64)
-    diff = (before != after).flatten(1).any(1)
+    diff = (kv_bits(before) != kv_bits(after)).flatten(1).any(1)
     return torch.nonzero(diff.cpu()).flatten()
 
 
@@ -124,7 +142,8 @@ def show_rows(rows: torch.Tensor, n: int = 8) -> str:
 def assert_caches_equal(
     world: World, other: World, *, what: str, rule: str = ATTENTION, ignore_rows: Sequence[int] = ()
 ) -> None:
-    """Every layer's KV buffers bit-identical in two worlds (except ``ignore_rows``)."""
+    """Every layer's KV buffers bit-identical in two worlds (except ``ignore_rows``): an FP8
+    cache's bytes too, since both quantise by the one exact rule."""
     for layer in range(world.spec.num_layers):
         for name, a, b in zip("kv", world.pool.get_kv_buffer(layer), other.pool.get_kv_buffer(layer)):
             rows = changed_rows(a, b)

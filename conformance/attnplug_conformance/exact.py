@@ -4,7 +4,10 @@ held to against it.
 The reference backend rounds its output to the dtype like any backend, so comparing with it
 hides part of a half-precision error; the checks that judge precision (the long context, the
 soft-cap and sinks, the sampled worlds, the op layer) compare with ``dense_attention`` instead:
-``attnplug.oracle.exact_attention`` over the k/v each request was given, never the KV pool.
+``attnplug.oracle.exact_attention`` over the k/v each request was given, never the KV pool. In an
+FP8 world that is what the cache holds for them (``World.cached_values``: dequantised in float64,
+exact), so the bound judges a backend's own error, never the quantisation's: the model dtype's
+bound applies (the backend and the oracle read the same bytes).
 
 The measure is a relative error per (token, layer, head) row,
 ``||out - exact|| / max(||exact||, 1e-3 * sqrt(head_dim))``: inputs are about N(0, 1), so an
@@ -26,7 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from attnplug.oracle import exact_attention
 
-from .compare import layer_kind
+from .compare import cache_note, layer_kind
 from .config import dtype_name
 from .harness import Step, World
 
@@ -41,19 +44,19 @@ def dense_attention(world: World, step: Step) -> torch.Tensor:
     ``[T, L, H, D]``, from ``attnplug.oracle.exact_attention`` (the contract's rule: causal,
     ``p - W < j <= p`` on SWA layers, GQA by head groups, the spec's ``logit_softcap`` and the
     world's per-layer ``sinks``). Keys of a request: its committed history (float64) then the
-    step's own k/v."""
+    step's own k/v, both as the cache holds them (``World.cached_values``: dequantised in an
+    FP8 world)."""
     spec = world.spec
     q_all = step.inputs["q"].detach().to("cpu", torch.float64)
-    k_new = step.inputs["k"].detach().to("cpu", torch.float64)
-    v_new = step.inputs["v"].detach().to("cpu", torch.float64)
     starts = [sum(step.new_tokens[:i]) for i in range(len(step.new_tokens))]
     per_layer: List[torch.Tensor] = []
     for layer in range(spec.num_layers):
+        k_new, v_new = world.cached_values(layer, step.inputs["k"][:, layer], step.inputs["v"][:, layer])
         keys, values = [], []
         for req, start, n in zip(step.requests, starts, step.new_tokens):
             k_hist, v_hist = req.history[layer]
-            keys.append(torch.cat([k_hist, k_new[start : start + n, layer]]))  # [S, Hkv, D]
-            values.append(torch.cat([v_hist, v_new[start : start + n, layer]]))
+            keys.append(torch.cat([k_hist, k_new[start : start + n]]))  # [S, Hkv, D]
+            values.append(torch.cat([v_hist, v_new[start : start + n]]))
         if not keys:  # an IDLE step
             per_layer.append(q_all[:, layer])
             continue
@@ -109,5 +112,5 @@ def assert_matches_exact(out: torch.Tensor, exact: torch.Tensor, world: World, w
         found = f"relative error {worst:.3g} against float64 attention at {where}"
     pytest.fail(
         f"{rule}: {what}: {found} ({bad} of {err.numel()} rows out of bounds; bound {tol:g} for "
-        f"{dtype_name(dtype)}{'; ' + hint if hint else ''})"
+        f"{dtype_name(dtype)}{cache_note(world)}{'; ' + hint if hint else ''})"
     )

@@ -15,6 +15,14 @@ KV without any backend (``store_kv``: long prompts set up cheaply, ``save_kv_cac
 steps) and ``WorldSpec.scramble_swa``: the SWA free list is shuffled at construction, so the
 full -> SWA translation of every later step is a real permutation, never the identity.
 
+An FP8 world (``WorldSpec.kv_cache_dtype``: ``float8_e4m3fn`` or ``float8_e5m2``) stores its
+k / v quantised (``attnplug.memory.fp8``) with per-layer, per-KV-head scales set at
+construction (``fp8_scales``: seeded, part of the heads saturating on the suite's N(0, 1)
+inputs, none 1.0), and each request's history holds what the cache holds:
+``dequantize_kv(quantize_kv(x))`` in float64 (``World.cached_values``). Cache comparisons read
+bits (``kv_bits``): float8 values are compared, indexed and written as bytes, which every
+device supports (``torch.equal`` has no float8 kernel on the host).
+
 Device-neutral: the device is a ``torch.device`` given by the caller.
 """
 
@@ -35,13 +43,63 @@ from attnplug import (
     SWATokenAllocator,
     decide_needs_cpu_seq_lens,
 )
+from attnplug.memory.fp8 import dequantize_kv, fp8_max, is_fp8, quantize_kv, resolve_kv_cache_dtype
 
 from .rules import ATTENTION
 
-__all__ = ["WorldSpec", "World", "Request", "Step", "layer_step", "KVSnapshot", "ContractViolation"]
+__all__ = [
+    "WorldSpec",
+    "World",
+    "Request",
+    "Step",
+    "layer_step",
+    "KVSnapshot",
+    "ContractViolation",
+    "kv_bits",
+    "fp8_scales",
+    "FP8_SATURATING",
+    "FP8_WIDE",
+]
 
 #: per layer ``(k, v)`` clones of the KV buffers
 KVSnapshot = List[Tuple[torch.Tensor, torch.Tensor]]
+
+#: an integer dtype of each element size: a tensor's bits, as ``kv_bits`` views them
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def kv_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integers of its element size (uint8 for FP8, int16 for float16 /
+    bfloat16, ...): a view, no copy. What cache comparisons read (bit for bit: NaN equals its own
+    bits, and float8 values are compared, indexed and written as bytes on any device)."""
+    return t.view(_BITS[t.element_size()])
+
+
+#: FP8 worlds: the magnitude ``m`` past which a head's k or v saturate (its scale is
+#: ``m / fp8_max(dtype)``). Saturating heads draw ``m`` from ``FP8_SATURATING`` (1 % to 21 % of
+#: N(0, 1) values lie past it), the others from ``FP8_WIDE`` (6e-7 or fewer); log-uniform.
+FP8_SATURATING: Tuple[float, float] = (1.25, 2.5)
+FP8_WIDE: Tuple[float, float] = (5.0, 20.0)
+
+
+def fp8_scales(
+    dtype: torch.dtype, num_kv_heads: int, layer: int, generator: torch.Generator
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One layer's ``(k_scale, v_scale)`` of an FP8 world: float64 host ``[num_kv_heads]``.
+
+    Head ``h``'s K saturates when ``layer + h`` is even, its V when it is odd (``FP8_SATURATING``;
+    the others ``FP8_WIDE``), so every layer has saturating and non-saturating heads, and a
+    world of one KV head saturates K on even layers and V on odd ones. Every scale is
+    ``m / fp8_max(dtype)`` (at most 20 / 448 for e4m3fn): none is 1.0, so a backend that ignores
+    a scale, or does not saturate, gives other numbers. Drawn from ``generator``."""
+    limit = fp8_max(dtype)
+    scales = []
+    for part in (0, 1):  # k, v
+        u = torch.rand(num_kv_heads, generator=generator, dtype=torch.float64)
+        ranges = [FP8_SATURATING if (layer + h + part) % 2 == 0 else FP8_WIDE for h in range(num_kv_heads)]
+        lo, hi = torch.tensor(ranges, dtype=torch.float64).unbind(1)
+        scales.append(lo * (hi / lo) ** u / limit)
+    return scales[0], scales[1]
 
 
 @dataclass(frozen=True)
@@ -68,6 +126,18 @@ class WorldSpec:
     logit_softcap: Optional[float] = None
     #: give every layer learned sink logits (``World.sinks``: seeded, float32 ``[num_heads]``)
     sinks: bool = False
+    #: what the KV pool stores: None (``dtype``, the model's) or an FP8 dtype
+    #: (``attnplug.memory.fp8.FP8_KV_DTYPES``: q / k / v stay ``dtype``, k / v are quantised at
+    #: store with the world's scales, ``fp8_scales``)
+    kv_cache_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        kv = self.kv_cache_dtype
+        if kv is not None and kv != self.dtype and not is_fp8(kv):
+            raise ValueError(
+                f"WorldSpec: kv_cache_dtype must be None, the model dtype ({self.dtype}) or an FP8 dtype "
+                f"(torch.float8_e4m3fn, torch.float8_e5m2), got {kv!r}"
+            )
 
     def swa_layers(self) -> Tuple[int, ...]:
         if self.sliding_window is None:
@@ -81,7 +151,8 @@ class WorldSpec:
 class Request:
     row: int
     seq_len: int = 0
-    # history[layer] = (k [seq_len, Hkv, D], v [seq_len, Hkv, D]) on the host, float64
+    # history[layer] = (k [seq_len, Hkv, D], v [seq_len, Hkv, D]) on the host, float64: what the
+    # cache holds (World.cached_values)
     history: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
@@ -159,11 +230,15 @@ class World:
             spec.swa_layers(),
             spec.num_kv_heads,
             spec.head_dim,
-            spec.dtype,
+            resolve_kv_cache_dtype(spec.kv_cache_dtype, spec.dtype),
             device,
             page_size=spec.page_size,
         )
         self.device = self.pool.device  # concrete ("cuda" -> "cuda:0"), as the pool reports it
+        if self.pool.is_fp8:  # before the backend and any store; its own stream: inputs unchanged
+            gen = torch.Generator().manual_seed(seed * 7919 + 211)
+            for layer in range(spec.num_layers):
+                self.pool.set_kv_scales(layer, *fp8_scales(self.pool.dtype, spec.num_kv_heads, layer, gen))
         self.alloc = SWATokenAllocator(self.pool)
         self.rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, self.device)
         kwargs = {} if spec.scaling is None else {"scaling": spec.scaling}
@@ -352,18 +427,33 @@ class World:
             "v": ((s.num_layers, s.num_kv_heads, s.head_dim), s.dtype),
         }
 
+    def cached_values(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What ``layer``'s cache holds for ``k`` / ``v`` (``[n, num_kv_heads, head_dim]``, the
+        model dtype, any device), as float64 host tensors of the same shape: the values as given
+        on an unquantised pool; on an FP8 pool ``dequantize_kv(quantize_kv(x))`` with the layer's
+        scales (``attnplug.memory.fp8``: the one rule, exact in float64). The oracle attends over
+        these, so a backend's own error is judged, never the quantisation's."""
+        if not self.pool.is_fp8:
+            return k.detach().to("cpu", torch.float64), v.detach().to("cpu", torch.float64)
+        k_scale, v_scale = self.pool.kv_scales(layer)
+        return tuple(  # type: ignore[return-value]
+            dequantize_kv(quantize_kv(x.detach(), s, self.pool.dtype), s, torch.float64).cpu()
+            for x, s in ((k, k_scale), (v, v_scale))
+        )
+
     def commit(self, step: Step) -> None:
-        """Record the step's tokens in each request's history and length."""
+        """Record the step's tokens in each request's history (what the cache holds:
+        ``cached_values``) and length."""
         if not self.keep_history:
             for r, n in zip(step.requests, step.new_tokens):
                 r.seq_len += n
             return
         offset = 0
-        k_all = step.inputs["k"].detach().to("cpu", torch.float64)
-        v_all = step.inputs["v"].detach().to("cpu", torch.float64)
+        k_all, v_all = step.inputs["k"], step.inputs["v"]
+        held = [self.cached_values(l, k_all[:, l], v_all[:, l]) for l in range(self.spec.num_layers)]
         for r, n in zip(step.requests, step.new_tokens):
             r.history = [
-                (torch.cat([k, k_all[offset : offset + n, l]]), torch.cat([v, v_all[offset : offset + n, l]]))
+                (torch.cat([k, held[l][0][offset : offset + n]]), torch.cat([v, held[l][1][offset : offset + n]]))
                 for l, (k, v) in enumerate(r.history)
             ]
             r.seq_len += n
@@ -387,7 +477,8 @@ class World:
     def store_kv(self, step: Step) -> None:
         """Write the step's k/v into the pool without any backend: full layers at
         ``out_cache_loc``, SWA layers at its translation (what an engine does before calling
-        ``forward(..., save_kv_cache=False)``; also sets up long prompts cheaply)."""
+        ``forward(..., save_kv_cache=False)``; also sets up long prompts cheaply). An FP8 pool
+        quantises them by the rule (``SWAKVPool.set_kv_buffer``)."""
         loc = step.batch.out_cache_loc
         swa_loc = self.pool.translate_loc_from_full_to_swa(loc) if self.pool.swa_layer_ids else None
         for layer in range(self.spec.num_layers):
@@ -414,15 +505,15 @@ class World:
 
     # ------------------------------------------------------------------ KV instruments
     def snapshot_kv(self) -> KVSnapshot:
-        """Clones of every layer's ``(k, v)`` buffers."""
+        """Clones of every layer's ``(k, v)`` buffers (in the pool's dtype, FP8 included)."""
         return [(k.clone(), v.clone()) for k, v in (self.pool.get_kv_buffer(l) for l in range(self.spec.num_layers))]
 
     def restore_kv(self, snapshot: KVSnapshot) -> None:
-        """Write a ``snapshot_kv()`` back into the KV buffers (in place)."""
+        """Write a ``snapshot_kv()`` back into the KV buffers (in place, bit for bit)."""
         for layer, (k, v) in enumerate(snapshot):
             kb, vb = self.pool.get_kv_buffer(layer)
-            kb.copy_(k)
-            vb.copy_(v)
+            kv_bits(kb).copy_(kv_bits(k))
+            kv_bits(vb).copy_(kv_bits(v))
 
     def live_full_slots(self) -> torch.Tensor:
         """Host int64: full slots holding a committed token of a live request."""

@@ -1,7 +1,9 @@
 """Instruments that watch or disturb a step: ``TranslationProbe`` counts the full-to-SWA
 translations by phase, ``MappingPoison`` rewrites the mapping between the metadata call and the
 layers, ``poison_free_rows`` fills every KV row that holds no live token with random values, NaN or
-±Inf.
+±Inf (an FP8 cache: NaN bytes, its largest finite magnitudes, and ±Inf where the format has them).
+Every write into a KV buffer goes through its bits (``harness.kv_bits``), so FP8 buffers take them
+on any device.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .harness import Step, World
+from attnplug.memory.fp8 import fp8_max, is_fp8
+
+from .harness import Step, World, kv_bits
 
 __all__ = ["TranslationProbe", "MappingPoison", "POISONS", "poison_free_rows"]
 
@@ -117,7 +121,8 @@ class MappingPoison:
     new tokens (what metadata must translate to) and ``targets`` free SWA slots standing in
     for them; the window prefix gets its own free slots. Every target is filled with random
     values in every SWA layer. ``apply()`` (device writes only) points the entries at the
-    targets; ``restore()`` puts the original entries back.
+    targets; ``restore()`` puts the original entries back. The poison is written in the
+    buffers' dtype (an FP8 cache: N(0, 1) noise quantised without a scale).
     """
 
     def __init__(self, world: World, step: Step, *, seed: int = 1234):
@@ -142,10 +147,10 @@ class MappingPoison:
         self.poison: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.swa_layers:
             kb, vb = pool.get_kv_buffer(layer)
-            pk = torch.randn((m, *kb.shape[1:]), generator=gen).to(kb.device, kb.dtype)
-            pv = torch.randn((m, *vb.shape[1:]), generator=gen).to(vb.device, vb.dtype)
-            kb[all_targets] = pk
-            vb[all_targets] = pv
+            pk = torch.randn((m, *kb.shape[1:]), generator=gen).to(kb.dtype).to(kb.device)
+            pv = torch.randn((m, *vb.shape[1:]), generator=gen).to(vb.dtype).to(vb.device)
+            kv_bits(kb)[all_targets] = kv_bits(pk)
+            kv_bits(vb)[all_targets] = kv_bits(pv)
             self.poison[layer] = (pk[:n], pv[:n])
         self.applied = 0
 
@@ -178,26 +183,41 @@ class MappingPoison:
 
 
 #: what ``poison_free_rows`` writes: seeded N(0, 1) noise, NaN, ±Inf (alternating along the
-#: head dim), or a mix (every element one of NaN, +Inf, -Inf, noise, drawn at random)
+#: head dim), or a mix (every element one of the specials or noise, drawn at random). An FP8
+#: cache has its own specials (``_specials``): NaN bytes and its largest finite magnitudes ±max,
+#: and ±Inf where the format has them (float8_e5m2; float8_e4m3fn has none).
 POISONS = ("noise", "nan", "inf", "mixed")
 
 
+def _specials(dtype: torch.dtype) -> torch.Tensor:
+    """The special values a poisoned row of ``dtype`` may hold (float32): NaN, +Inf, -Inf; an FP8
+    dtype: NaN, +max, -max, and +Inf, -Inf for float8_e5m2."""
+    if not is_fp8(dtype):
+        return torch.tensor([math.nan, math.inf, -math.inf])
+    top = fp8_max(dtype)
+    values = [math.nan, top, -top]
+    if torch.tensor(math.inf).to(dtype).float().isinf():  # the format has an infinity (e5m2)
+        values += [math.inf, -math.inf]
+    return torch.tensor(values)
+
+
 def _poison(buf: torch.Tensor, fill: str, gen: torch.Generator) -> torch.Tensor:
+    """``fill`` values of ``buf``'s shape and dtype on ``buf``'s device (converted on the host)."""
     noise = torch.randn(buf.shape, generator=gen)
+    specials = _specials(buf.dtype)
     if fill == "noise":
-        return noise.to(buf.device, buf.dtype)
-    specials = torch.tensor([math.nan, math.inf, -math.inf])
-    if fill == "nan":
+        value = noise
+    elif fill == "nan":
         value = torch.full(buf.shape, math.nan)
-    elif fill == "inf":
-        value = torch.full(buf.shape, math.inf)
-        value[..., 1::2] = -math.inf
+    elif fill == "inf":  # the non-NaN specials, alternating along the head dim
+        extremes = specials[1:]
+        value = extremes[torch.arange(buf.shape[-1]) % len(extremes)].expand(buf.shape).clone()
     elif fill == "mixed":
-        pick = torch.randint(0, 4, buf.shape, generator=gen)
-        value = torch.where(pick < 3, specials[pick.clamp_max(2)], noise)
+        pick = torch.randint(0, len(specials) + 1, buf.shape, generator=gen)
+        value = torch.where(pick < len(specials), specials[pick.clamp_max(len(specials) - 1)], noise)
     else:
         raise ValueError(f"poison_free_rows: fill must be one of {', '.join(POISONS)}, not {fill!r}")
-    return value.to(buf.device, buf.dtype)
+    return value.to(buf.dtype).to(buf.device)
 
 
 def poison_free_rows(world: World, seed: int, fill: str = "noise") -> None:
@@ -207,7 +227,8 @@ def poison_free_rows(world: World, seed: int, fill: str = "noise") -> None:
     poisoned with one seed stay identical and a store outside the step's slots (a neighbour
     in the page, another layer, the sink) shows up as a cache difference even when it writes
     zeros; NaN and ±Inf are what a real cache may hold there (uninitialised memory, stale
-    values), which a kernel must never let reach an output (``0 * NaN`` is NaN)."""
+    values), which a kernel must never let reach an output (``0 * NaN`` is NaN). An FP8 cache
+    gets its own specials: NaN bytes, ±max, and ±Inf in float8_e5m2 (``_specials``)."""
     pool = world.pool
     live_full = world.live_full_slots().to(pool.device)
     live_swa = pool.translate_loc_from_full_to_swa(live_full).to(torch.int64) if pool.swa_layer_ids else None
@@ -217,4 +238,5 @@ def poison_free_rows(world: World, seed: int, fill: str = "noise") -> None:
         keep = torch.zeros(kb.shape[0], dtype=torch.bool, device=kb.device)
         keep[live_swa[live_swa > 0] if pool.is_swa_layer(layer) else live_full] = True
         for buf in (kb, vb):
-            buf.copy_(torch.where(keep[:, None, None], buf, _poison(buf, fill, gen)))
+            bits = kv_bits(buf)
+            bits.copy_(torch.where(keep[:, None, None], bits, kv_bits(_poison(buf, fill, gen))))

@@ -30,6 +30,27 @@ what the driver gives the runner). Comparison per new token (``compare``):
   that token or its median over the run, whichever is larger) plus ``HALF_REL_SLACK``: the
   backend may be about as inexact as transformers itself in half precision, not more.
 
+FP8 KV cache cases (``ModelCase.kv_dtype``; run where the backend lists the dtype in
+``capabilities().fp8_kv_dtypes``, else skipped naming it): the same scenario with the runner's
+pool storing K / V as ``kv_dtype``, in the backend's default dtype (``default_dtype``), with
+per-layer, per-KV-head scales from a calibration run (``calibrated_fp8_scales``: the largest ``|k|`` /
+``|v|`` of a calibration prompt times ``FP8_SATURATE_AT`` maps to the format's largest value,
+so the scenario's outliers saturate). Two judgements:
+
+* **the backend's own error** (the strict one): the same scenario run by the reference backend
+  over an FP8 cache of the same dtype and scales, which stores the same bytes for the same k/v
+  (one quantisation rule, ``attnplug.memory.fp8``). Float32: relative L2 error of every new
+  token's logits ``<= FP8_FP32_TOL`` and their median ``<= FP8_FP32_MEDIAN_TOL`` against the
+  reference in float32 on the host; half precision: the half rule above with the reference over
+  the FP8 cache in float32 on the host in place of transformers' float32 logits, the reference
+  in the case's dtype on the backend's device in place of transformers' own half-precision run
+  and the cosine floor ``FP8_HALF_MIN_COSINE``. The caches themselves:
+  at least ``FP8_MIN_SAME_BYTES`` of the subject's KV bytes equal those of the reference run
+  in the same dtype (float32: the host's; half: the device's), slot for slot;
+* **the quantisation's error** (the looser one): cosine similarity of every new token's logits
+  with transformers' eager float32 attention over the unquantised sequence
+  ``>= FP8_MIN_COSINE[kv_dtype]``.
+
 Device-neutral: the backend's device comes from the caller; the host computes the expected
 values.
 """
@@ -37,6 +58,7 @@ values.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -45,7 +67,9 @@ import torch
 
 from attnplug import ForwardBatch, ForwardMode, decide_needs_cpu_seq_lens
 from attnplug.integrations import transformers_missing
+from attnplug.memory.fp8 import fp8_max
 
+from .config import kv_id
 from .rules import MODEL
 
 __all__ = [
@@ -57,6 +81,13 @@ __all__ = [
     "HALF_MIN_COSINE",
     "HALF_REL_FACTOR",
     "HALF_REL_SLACK",
+    "FP8_FP32_TOL",
+    "FP8_FP32_MEDIAN_TOL",
+    "FP8_HALF_MIN_COSINE",
+    "FP8_MIN_COSINE",
+    "FP8_MIN_SAME_BYTES",
+    "FP8_SATURATE_AT",
+    "calibrated_fp8_scales",
     "WINDOW",
     "ModelDriver",
     "run_model_case",
@@ -91,6 +122,41 @@ HALF_MIN_COSINE = 0.999
 #: Measured for the reference backend: at most 1.6x; attention bugs: 10x and more.
 HALF_REL_FACTOR = 3.0
 HALF_REL_SLACK = 2e-3
+#: FP8 KV cache, float32: bounds on the relative L2 error of the logits against the reference
+#: backend over an FP8 cache of the same dtype and scales: every token's at most FP8_FP32_TOL,
+#: their median over the run at most FP8_FP32_MEDIAN_TOL. Two levels, because a k/v value that
+#: a backend's own float32 rounding moves across an FP8 rounding boundary stores the
+#: neighbouring FP8 value (a step of 6 % in e4m3, 12 % in e5m2) and moves the later logits of
+#: that request by up to 1.7e-2 (measured: one such step in the largest element of a key, on
+#: these models), while the other tokens stay at float32 rounding (measured: 9e-7 for
+#: attention computed in float64 instead of float32). FP8 bugs move every token: a scale
+#: ignored, taken from the wrong KV head, the wrong layer or the other of K / V gave medians of
+#: 2.4e-2 to 1.0 and maxima of 7e-2 to 1.4 (a store without saturation: non-finite logits).
+FP8_FP32_TOL = 3e-2
+FP8_FP32_MEDIAN_TOL = 1e-3
+#: FP8 KV cache, half precision: minimum cosine similarity of a token's logits with the
+#: reference backend's over the same FP8 cache in float32 (the half rule's floor; the relative
+#: rule is HALF_REL_FACTOR / HALF_REL_SLACK as without FP8). Looser than HALF_MIN_COSINE: the
+#: half-precision k/v round to other FP8 values than the float32 ones in a few percent of the
+#: elements (an FP8 step is 16 to 32 bfloat16 steps). Measured for the reference backend in
+#: bfloat16 itself: 0.997 or more.
+FP8_HALF_MIN_COSINE = 0.99
+#: FP8 KV cache: minimum fraction of the subject's KV cache bytes equal to the reference's in
+#: the same dtype, slot for slot over the slots either wrote (the bytes differ only where the
+#: backend's rounding moved a k/v value across an FP8 rounding boundary). Measured: 1.0 in
+#: float32 and 0.9998 or more in bfloat16 for attention computed in float64; 0.997 with one
+#: FP8 step moved by hand; 0.49 to 0.68 for every layer quantised with layer 0's scales (a bug
+#: the bfloat16 logits alone do not show).
+FP8_MIN_SAME_BYTES = 0.9
+#: FP8 KV cache: minimum cosine similarity of a token's logits with transformers' eager float32
+#: logits over the unquantised sequence (the quantisation's own error, which the backend does
+#: not choose; the looser judgement). Measured for the reference backend on these models with
+#: these scales (float32 and bfloat16): 0.982 or more in e4m3, 0.972 or more in e5m2.
+FP8_MIN_COSINE: Dict[torch.dtype, float] = {torch.float8_e4m3fn: 0.96, torch.float8_e5m2: 0.94}
+#: FP8 KV cache scales: a layer's and KV head's scale maps FP8_SATURATE_AT x the calibration
+#: prompt's largest |k| (|v|) to the format's largest value, so larger values saturate (the
+#: check makes sure some do)
+FP8_SATURATE_AT = 0.75
 #: the sliding window of every model with SWA layers (smaller than every sequence)
 WINDOW = 5
 
@@ -110,18 +176,26 @@ _ARCH_OVERRIDES: Dict[str, dict] = {
 }
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 @dataclass(frozen=True)
 class ModelCase:
-    """One test: an architecture in a dtype and page size."""
+    """One test: an architecture in a dtype and page size; ``kv_dtype``: an FP8 KV cache dtype
+    (None: the KV cache stores the model's dtype). ``dtype`` None: the backend's default dtype
+    (``default_dtype``), what the FP8 cases run in."""
 
     arch: str
-    dtype: torch.dtype = torch.float32
+    dtype: Optional[torch.dtype] = torch.float32
     page_size: int = 1
+    kv_dtype: Optional[torch.dtype] = None
 
     @property
     def id(self) -> str:
-        name = str(self.dtype).replace("torch.", "")
-        return f"{self.arch}-{name}" + (f"-page{self.page_size}" if self.page_size != 1 else "")
+        out = self.arch + (f"-{_dtype_name(self.dtype)}" if self.dtype is not None else "")
+        out += f"-page{self.page_size}" if self.page_size != 1 else ""
+        return out + ("-" + kv_id(self.kv_dtype) if self.kv_dtype is not None else "")
 
 
 def _cases() -> List[ModelCase]:
@@ -131,6 +205,10 @@ def _cases() -> List[ModelCase]:
     cases += [ModelCase(a, torch.bfloat16) for a in order]
     cases += [ModelCase("gemma3_text", torch.float16), ModelCase("gemma3_text", page_size=4)]
     cases += [ModelCase("gpt_oss", torch.bfloat16, page_size=4)]
+    # FP8 KV caches, in the backend's default dtype: hybrid sliding + full layers in e4m3;
+    # pages, sinks and e5m2 (where a store without saturation makes an infinity)
+    cases += [ModelCase("gemma3_text", None, kv_dtype=torch.float8_e4m3fn)]
+    cases += [ModelCase("gpt_oss", None, page_size=4, kv_dtype=torch.float8_e5m2)]
     return cases
 
 
@@ -351,39 +429,66 @@ def _rel(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return (a - e).norm(dim=-1) / e.norm(dim=-1).clamp_min(1e-30)
 
 
-def compare(case: ModelCase, records, expected, own=None) -> None:
-    """Fail naming the first token out of bounds (see the module docstring). ``own``: per
-    record, transformers' own logits in the case's half dtype (None for float32)."""
+def _fail_non_finite(what: str, rec: _Record, got: torch.Tensor) -> None:
+    if not torch.isfinite(got).all():
+        j = int((~torch.isfinite(got)).any(-1).to(torch.int8).argmax())
+        pos0 = len(rec.context) - rec.n
+        pytest.fail(f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: non-finite logits")
+
+
+def compare(
+    case: ModelCase,
+    records,
+    expected,
+    own=None,
+    *,
+    against: str = "transformers eager",
+    fp32_tol: float = FP32_TOL,
+    fp32_median_tol: Optional[float] = None,
+    min_cosine: float = HALF_MIN_COSINE,
+) -> None:
+    """Fail naming the first token out of bounds (see the module docstring). ``expected``: per
+    record, the float32 logits of ``against``; ``own``: per record, ``against``'s own logits in
+    the case's half dtype (None for float32); ``fp32_tol``: the float32 bound of every token,
+    ``fp32_median_tol`` (None: none) of their median over the run; ``min_cosine``: the
+    half-precision cosine floor."""
     what = f"{case.id}"
     typical = None
-    if own is not None:  # transformers' median error over the run: a token where it is lucky sets no bar
+    if own is not None:  # the baseline's median error over the run: a token where it is lucky sets no bar
         typical = torch.cat([_rel(o, e) for o, e in zip(own, expected)]).median()
+    half = _dtype_name(case.dtype)
+    for rec, exp in zip(records, expected):
+        if rec.logits.shape != exp.shape:
+            pytest.fail(
+                f"{MODEL}: {what}: {rec.label}: logits of shape {tuple(rec.logits.shape)}, expected {tuple(exp.shape)}"
+            )
+        _fail_non_finite(what, rec, rec.logits)
+    if case.dtype == torch.float32 and fp32_median_tol is not None and records:
+        median = float(torch.cat([_rel(r.logits, e) for r, e in zip(records, expected)]).median())
+        if not median <= fp32_median_tol:
+            pytest.fail(
+                f"{MODEL}: {what}: the logits differ from {against} by a median relative error of {median:.3g} over "
+                f"the run's {sum(r.n for r in records)} new tokens (bound {fp32_median_tol:g} for float32)"
+            )
     for i, (rec, exp) in enumerate(zip(records, expected)):
         got = rec.logits
         pos0 = len(rec.context) - rec.n
-        if got.shape != exp.shape:
-            pytest.fail(
-                f"{MODEL}: {what}: {rec.label}: logits of shape {tuple(got.shape)}, expected {tuple(exp.shape)}"
-            )
-        if not torch.isfinite(got).all():
-            j = int((~torch.isfinite(got)).any(-1).to(torch.int8).argmax())
-            pytest.fail(f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: non-finite logits")
         rel = _rel(got, exp)
         if case.dtype == torch.float32:
             j = int(rel.argmax())
-            if float(rel[j]) > FP32_TOL:
+            if float(rel[j]) > fp32_tol:
                 pytest.fail(
                     f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: logits differ from "
-                    f"transformers eager by a relative error of {float(rel[j]):.3g} (bound {FP32_TOL:g} for float32; "
-                    f"{int((rel > FP32_TOL).sum())} of {rec.n} new tokens of this request out of bounds)"
+                    f"{against} by a relative error of {float(rel[j]):.3g} (bound {fp32_tol:g} for float32; "
+                    f"{int((rel > fp32_tol).sum())} of {rec.n} new tokens of this request out of bounds)"
                 )
             continue
         cos = torch.nn.functional.cosine_similarity(got.double(), exp.double(), dim=-1)
         j = int(cos.argmin())
-        if float(cos[j]) < HALF_MIN_COSINE:
+        if float(cos[j]) < min_cosine:
             pytest.fail(
                 f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: cosine similarity "
-                f"{float(cos[j]):.5f} with transformers eager float32 logits (minimum {HALF_MIN_COSINE})"
+                f"{float(cos[j]):.5f} with {against} float32 logits (minimum {min_cosine})"
             )
         theirs = _rel(own[i], exp)
         bound = HALF_REL_FACTOR * torch.maximum(theirs, typical) + HALF_REL_SLACK
@@ -391,10 +496,51 @@ def compare(case: ModelCase, records, expected, own=None) -> None:
         if float(rel[j]) > float(bound[j]):
             pytest.fail(
                 f"{MODEL}: {what}: {rec.label}: request {rec.rid}, position {pos0 + j}: relative error "
-                f"{float(rel[j]):.3g} against transformers eager float32 logits; transformers' own "
-                f"{str(case.dtype).replace('torch.', '')} error there is {float(theirs[j]):.3g}, its median "
-                f"{float(typical):.3g} (bound {HALF_REL_FACTOR:g} x the larger + {HALF_REL_SLACK:g})"
+                f"{float(rel[j]):.3g} against {against} float32 logits; {against}'s own {half} error there is "
+                f"{float(theirs[j]):.3g}, its median {float(typical):.3g} (bound {HALF_REL_FACTOR:g} x the larger + "
+                f"{HALF_REL_SLACK:g})"
             )
+
+
+def compare_cosine(case: ModelCase, records, expected, min_cosine: float, against: str) -> None:
+    """Fail naming the first token whose logits have a cosine similarity below ``min_cosine``
+    with ``expected`` (per record, float32 logits of ``against``)."""
+    for rec, exp in zip(records, expected):
+        _fail_non_finite(case.id, rec, rec.logits)
+        cos = torch.nn.functional.cosine_similarity(rec.logits.double(), exp.double(), dim=-1)
+        j = int(cos.argmin())
+        if float(cos[j]) < min_cosine:
+            pytest.fail(
+                f"{MODEL}: {case.id}: {rec.label}: request {rec.rid}, position {len(rec.context) - rec.n + j}: "
+                f"cosine similarity {float(cos[j]):.5f} with {against} (minimum {min_cosine} over an FP8 KV cache "
+                f"of {_dtype_name(case.kv_dtype)})"
+            )
+
+
+def same_bytes(a, b) -> float:
+    """The fraction of the KV cache bytes of pool ``a`` equal to pool ``b``'s, slot for slot,
+    over every layer's K and V buffers and the slots either pool wrote (a slot whose bytes
+    are all zero in both was never written: a stored k/v row is never exactly zero); read on
+    the host."""
+    equal = total = 0
+    for layer in range(a.num_layers):
+        for x, y in zip(a.get_kv_buffer(layer), b.get_kv_buffer(layer)):
+            x, y = x.view(torch.uint8).to("cpu"), y.view(torch.uint8).to("cpu")
+            written = (x != 0).flatten(1).any(1) | (y != 0).flatten(1).any(1)
+            equal += int((x[written] == y[written]).sum())
+            total += int(written.sum()) * x[0].numel()
+    return equal / max(total, 1)
+
+
+def saturated(pool) -> int:
+    """How many of the values an FP8 pool holds are its format's largest magnitude (what a
+    value past the scale's range saturates to); read on the host."""
+    top = fp8_max(pool.dtype)
+    count = 0
+    for layer in range(pool.num_layers):
+        for buf in pool.get_kv_buffer(layer):
+            count += int((buf.to("cpu", torch.float32).abs() == top).sum())
+    return count
 
 
 # ---------------------------------------------------------------------------- one case
@@ -402,7 +548,7 @@ def missing_capability(caps, spec, case: ModelCase) -> Optional[str]:
     """Why the backend's declared capabilities cannot run ``case`` (one line), or None."""
     from attnplug.integrations.transformers.support import unsupported_reasons
 
-    reasons = unsupported_reasons(caps, spec, dtype=case.dtype, page_size=case.page_size)
+    reasons = unsupported_reasons(caps, spec, dtype=case.dtype, page_size=case.page_size, kv_cache_dtype=case.kv_dtype)
     return f"{case.arch} needs " + "; ".join(reasons) if reasons else None
 
 
@@ -424,6 +570,37 @@ def _clone(model, dtype: torch.dtype, device, attn_implementation: str):
     return twin
 
 
+#: prompt tokens of the FP8 scales' calibration run
+CALIBRATION_TOKENS = 24
+
+
+def calibrated_fp8_scales(model, kv_dtype: torch.dtype, seed: int = 0) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer, per-KV-head FP8 scales for ``model`` (float32 weights on the host):
+    ``{layer: (k_scale [Hkv], v_scale [Hkv])}``, float32 host tensors. A calibration prompt of
+    ``CALIBRATION_TOKENS`` seeded tokens runs through the reference backend over an
+    unquantised pool; a head's scale is ``FP8_SATURATE_AT * max|k| / fp8_max(kv_dtype)`` over
+    what the layer stored (the same for v), so values beyond ``FP8_SATURATE_AT`` x the
+    calibration's largest saturate."""
+    from attnplug.backends.reference import ReferenceBackend
+    from attnplug.integrations.transformers import ModelRunner
+
+    runner = ModelRunner(
+        _clone(model, torch.float32, "cpu", "eager"),
+        ReferenceBackend,
+        max_batch_size=1,
+        max_context_len=CALIBRATION_TOKENS,
+    )
+    driver = ModelDriver(runner, model.config.vocab_size, seed=seed + 7)
+    rid = driver.add(CALIBRATION_TOKENS)
+    driver.step(ForwardMode.EXTEND, {rid: CALIBRATION_TOKENS})
+    top = FP8_SATURATE_AT / fp8_max(kv_dtype)
+    scales = {}
+    for layer in range(runner.spec.num_layers):
+        k, v = (buf.abs().amax(dim=(0, 2)).to(torch.float32) for buf in runner.pool.get_kv_buffer(layer))
+        scales[layer] = tuple(torch.where(m > 0, m * top, 1.0) for m in (k, v))  # a head never stored: 1.0
+    return scales
+
+
 def run_model_case(case: ModelCase, backend_cls, device, caps, *, seed: int = 0) -> ModelDriver:
     """Run ``case`` on ``backend_cls`` (see the module docstring); fails through pytest with a
     message naming the rule, the step, the request and the position. Returns the driver."""
@@ -435,9 +612,38 @@ def run_model_case(case: ModelCase, backend_cls, device, caps, *, seed: int = 0)
         torch.set_num_threads(threads)
 
 
-def _run_model_case(case: ModelCase, backend_cls, device, caps, seed: int) -> ModelDriver:
-    from attnplug.integrations.transformers import ModelRunner, model_spec
+def _scenario_run(model, backend_cls, case: ModelCase, spec, vocab: int, seed: int, scales) -> ModelDriver:
+    """``model`` (on its device, in its dtype) through ``backend_cls`` in the scenario: the
+    driver after the run, its runner synchronised."""
+    from attnplug.integrations.transformers import ModelRunner
 
+    full, swa = scenario_pool_tokens(case.page_size)
+    runner = ModelRunner(
+        model,
+        backend_cls,
+        max_batch_size=4,
+        max_context_len=64,
+        page_size=case.page_size,
+        swa_pool_tokens=swa if spec.swa_layer_ids else None,
+        full_pool_tokens=full,
+        kv_cache_dtype=case.kv_dtype,
+        kv_scales=scales,
+    )
+    driver = ModelDriver(runner, vocab, seed=seed + 1)
+    run_scenario(driver)
+    runner.backend.synchronize(runner.pool.device)
+    return driver
+
+
+def _finals(driver: ModelDriver) -> Dict[int, Tuple[int, ...]]:
+    return {**driver.finished, **{rid: tuple(r.tokens) for rid, r in driver.reqs.items()}}
+
+
+def _run_model_case(case: ModelCase, backend_cls, device, caps, seed: int) -> ModelDriver:
+    from attnplug.integrations.transformers import model_spec
+
+    if case.dtype is None:
+        case = dataclasses.replace(case, dtype=default_dtype(caps))
     config, model = build_models(case, seed)
     spec = model_spec(config)
     why = missing_capability(caps, spec, case)
@@ -446,21 +652,11 @@ def _run_model_case(case: ModelCase, backend_cls, device, caps, seed: int) -> Mo
     if case.arch != "llama" and not spec.swa_layer_ids:
         raise RuntimeError(f"the check's tiny {case.arch} model has no sliding-window layer: {spec}")
     device = torch.device(device)
-    full, swa = scenario_pool_tokens(case.page_size)
+    scales = calibrated_fp8_scales(model, case.kv_dtype, seed) if case.kv_dtype is not None else None
     subject = _clone(model, case.dtype, device, "eager")
-    runner = ModelRunner(
-        subject,
-        backend_cls,
-        max_batch_size=4,
-        max_context_len=64,
-        page_size=case.page_size,
-        swa_pool_tokens=swa if spec.swa_layer_ids else None,
-        full_pool_tokens=full,
-    )
-    driver = ModelDriver(runner, config.vocab_size, seed=seed + 1)
-    run_scenario(driver)
-    runner.backend.synchronize(device)
-    finals = {**driver.finished, **{rid: tuple(r.tokens) for rid, r in driver.reqs.items()}}
+    driver = _scenario_run(subject, backend_cls, case, spec, config.vocab_size, seed, scales)
+    finals = _finals(driver)
+    _, swa = scenario_pool_tokens(case.page_size)
     if driver.window is not None and (driver.evicted == 0 or driver.allocated <= swa):
         raise RuntimeError(
             f"the scenario evicted {driver.evicted} SWA slots and allocated {driver.allocated} tokens over an SWA "
@@ -468,9 +664,56 @@ def _run_model_case(case: ModelCase, backend_cls, device, caps, seed: int) -> Mo
         )
     reference = _clone(model, torch.float32, "cpu", "eager")
     expected = _expected(reference, driver.records, finals, "cpu")
+    if case.kv_dtype is not None:
+        _compare_fp8(case, driver, model, spec, config.vocab_size, seed, scales, expected)
+        return driver
     own = None
     if case.dtype != torch.float32:
         half = _clone(model, case.dtype, device, "eager")
         own = _expected(half, driver.records, finals, device)
     compare(case, driver.records, expected, own)
     return driver
+
+
+def _compare_fp8(case: ModelCase, driver: ModelDriver, model, spec, vocab: int, seed: int, scales, expected) -> None:
+    """The FP8 judgements of the module docstring: against the reference backend over an FP8
+    cache of the same dtype and scales (the backend's own error, and the cache's bytes), then
+    against transformers' float32 logits (the quantisation's error)."""
+    from attnplug.backends.reference import ReferenceBackend
+
+    device = driver.runner.pool.device
+    fp8 = "the reference backend over the same FP8 KV cache"
+    ref = _scenario_run(_clone(model, torch.float32, "cpu", "eager"), ReferenceBackend, case, spec, vocab, seed, scales)
+    twins = [ref]
+    own = None
+    if case.dtype != torch.float32:  # the reference in the case's dtype on the device: its own half error
+        twin = _scenario_run(
+            _clone(model, case.dtype, device, "eager"), ReferenceBackend, case, spec, vocab, seed, scales
+        )
+        twins.append(twin)
+        own = [r.logits for r in twin.records]
+    for twin in twins:
+        if [r.context for r in twin.records] != [r.context for r in driver.records]:
+            raise RuntimeError(f"{case.id}: the reference run of the scenario saw other tokens than the backend's")
+    if saturated(ref.runner.pool) == 0:
+        raise RuntimeError(f"{case.id}: no K/V value of the scenario saturated: the scales must make some saturate")
+    compare(
+        case,
+        driver.records,
+        [r.logits for r in ref.records],
+        own,
+        against=fp8,
+        fp32_tol=FP8_FP32_TOL,
+        fp32_median_tol=FP8_FP32_MEDIAN_TOL,
+        min_cosine=FP8_HALF_MIN_COSINE,
+    )
+    same = same_bytes(driver.runner.pool, twins[-1].runner.pool)
+    if same < FP8_MIN_SAME_BYTES:
+        pytest.fail(
+            f"{MODEL}: {case.id}: the backend's FP8 KV cache holds other bytes than the reference backend's for the "
+            f"same scenario: {same:.1%} of the bytes equal, slot for slot (minimum {FP8_MIN_SAME_BYTES:.0%}): its "
+            "stores do not quantise the layers' k/v with their scales by attnplug.memory.fp8's rule"
+        )
+    compare_cosine(
+        case, driver.records, expected, FP8_MIN_COSINE[case.kv_dtype], "transformers eager float32 (unquantised)"
+    )

@@ -13,7 +13,10 @@ Asked with ``--attnplug-backend=NAME`` (repeatable; a registry name or ``module:
   backend is the first component of the test id: ``check_x[reference-DECODE]``);
 * the suite's tests run cheapest-and-sharpest first (``run_order``), so ``-x`` stops early on
   a broken backend; ``--attnplug-quick`` runs only the first round and the cases covering
-  every declared shape.
+  every declared shape;
+* the FP8 axis (``config.kv_axis``: tests ``...-kv_fp8_e4m3``, ``...-kv_fp8_e5m2``): a cache
+  dtype outside ``config.DEFAULT_FP8_KV_DTYPES`` runs in the first round only unless
+  ``--attnplug-thorough`` is given (its other tests are deselected).
 
 A third-party plugin adopts the suite with one line in a test file (docs/conformance.md)::
 
@@ -254,12 +257,14 @@ def _xfail_reason(declared: dict, item, backend: str) -> Optional[str]:
 #:
 #: 0. the first round: a cheap representative of every check and of the attention check's
 #:    bug classes (``_FIRST_ROUND_CASES``: each mode, batch sizes 1 and 10, an explicit
-#:    scaling, a half-precision output, a tile boundary, a long context), check by check in
-#:    ``_CHECK_ORDER``; a check without cases contributes its first ``_FIRST_ROUND_COUNT``
-#:    parametrizations (default 1);
+#:    scaling, a half-precision output, a tile boundary, a long context, a DECODE step over
+#:    each FP8 cache, the op layer over an FP8 cache), check by check in ``_CHECK_ORDER``; a
+#:    check without cases contributes its first ``_FIRST_ROUND_COUNT`` parametrizations
+#:    (default 1) with the model's cache dtype;
 #: 1. the costly cases that cover every declared shape (every head dim, every page size);
 #: 2. the rest, check by check;
-#: 3. the remaining costly cases (longer tiles, scenarios, the other long context).
+#: 3. the remaining costly cases (longer tiles, scenarios, the other long context, the FP8
+#:    cases of every head dim and every page size).
 _CHECK_ORDER = {
     "check_capabilities_honest": 0,
     "check_pdl_on_off_identical": 1,
@@ -295,9 +300,13 @@ _FIRST_ROUND_CASES = {
     "sinks-modes",
     "softcap_sinks-kv_split",
     "undeclared_refused",
+    # the FP8 axis (a case id, then the cache's part of the test id: config.kv_id)
+    "DECODE-gqa4-window_smaller-kv_fp8_e4m3",
+    "DECODE-gqa4-window_smaller-kv_fp8_e5m2",
+    "bs16-interleaved-window-kv_fp8_e4m3",
 }
 #: tests of the first round per check without cases (their first parametrizations); default 1
-_FIRST_ROUND_COUNT = {"check_capabilities_honest": 3, "check_kv_written_only_at_step_slots": 2}
+_FIRST_ROUND_COUNT = {"check_capabilities_honest": 4, "check_kv_written_only_at_step_slots": 2}
 #: the costly attention kinds, in the order they run after the first round (cheapest first)
 _COSTLY_KINDS = {
     "long_context": 0,
@@ -312,34 +321,61 @@ _COSTLY_FIRST = {"every_head_dim", "every_page_size"}
 QUICK_LAST_RANK = 1
 
 
+def _kv_cache_dtype(item):
+    """The item's FP8 axis value (``config.KV_PARAM``): None or an FP8 dtype."""
+    from .config import KV_PARAM
+
+    return getattr(getattr(item, "callspec", None), "params", {}).get(KV_PARAM)
+
+
 def run_order(item) -> tuple:
-    """Sort key of a test in the run order (non-suite tests first, in their order)."""
+    """Sort key of a test in the run order (non-suite tests first, in their order). A test of
+    the FP8 axis is in the first round only when ``_FIRST_ROUND_CASES`` names its case with the
+    cache (``DECODE-gqa4-window_smaller-kv_fp8_e4m3``); its costly cases run last."""
+    from .config import kv_id
+
     check = check_name_of(item)
     if check not in _CHECK_ORDER:
         return (-1, 0)
     callspec = getattr(item, "callspec", None)
     params = getattr(callspec, "params", {})
     case = params.get("case")
+    kv = _kv_cache_dtype(item)
     if case is not None:
-        if case.id in _FIRST_ROUND_CASES:
+        if (case.id if kv is None else f"{case.id}-{kv_id(kv)}") in _FIRST_ROUND_CASES:
             return (0, _CHECK_ORDER[check])
         if case.kind in _COSTLY_KINDS:
-            return (1 if case.id in _COSTLY_FIRST else 3, _COSTLY_KINDS[case.kind])
+            return (1 if kv is None and case.id in _COSTLY_FIRST else 3, _COSTLY_KINDS[case.kind])
         return (2, _CHECK_ORDER[check])
     indices = getattr(callspec, "indices", {})
-    first = all(i < _FIRST_ROUND_COUNT.get(check, 1) for name, i in indices.items() if name != BACKEND_PARAM)
+    first = kv is None and all(
+        i < _FIRST_ROUND_COUNT.get(check, 1) for name, i in indices.items() if name != BACKEND_PARAM
+    )
     return (0 if first else 2, _CHECK_ORDER[check])
+
+
+def _deselect(config, items, drop) -> None:
+    """Remove the items ``drop(item)`` is true for, reporting them as deselected."""
+    deselected = [i for i in items if drop(i)]
+    if deselected:
+        items[:] = [i for i in items if not drop(i)]
+        config.hook.pytest_deselected(items=deselected)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     state = _state(config)
     if state.asked or any(BACKEND_PARAM in getattr(getattr(i, "callspec", None), "params", {}) for i in items):
         items[:] = sorted(items, key=run_order)  # stable: the order inside a rank is kept
+        if not config.getoption("attnplug_thorough", False):
+            from .config import DEFAULT_FP8_KV_DTYPES
+
+            def thorough_only(item) -> bool:  # an FP8 cache of the thorough profile, past the first round
+                kv = _kv_cache_dtype(item)
+                return kv is not None and kv not in DEFAULT_FP8_KV_DTYPES and run_order(item)[0] > 0
+
+            _deselect(config, items, thorough_only)
         if config.getoption("attnplug_quick", False):
-            deselected = [i for i in items if run_order(i)[0] > QUICK_LAST_RANK]
-            if deselected:
-                items[:] = [i for i in items if run_order(i)[0] <= QUICK_LAST_RANK]
-                config.hook.pytest_deselected(items=deselected)
+            _deselect(config, items, lambda item: run_order(item)[0] > QUICK_LAST_RANK)
     known = set(check_names())
     warned = set()
     for item in items:

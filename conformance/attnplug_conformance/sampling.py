@@ -21,7 +21,9 @@ that still fails. What each dimension spans:
   the start.
 
 Every dimension also draws a window (or none); the others use the base config's head dim (a
-kernel compiles a variant per head dim: one dimension draws them all).
+kernel compiles a variant per head dim: one dimension draws them all). The cache dtype is the
+base config's (the FP8 axis: ``config.kv_axis``), never drawn: every dimension is sampled over
+each declared FP8 cache as a case of its own.
 
 ``PROFILES`` says how many worlds a dimension samples: the default run, ``--attnplug-thorough``.
 Sampling is derandomized (the same worlds on every run of a backend with the same
@@ -73,6 +75,7 @@ def world_strategy(dimension: str, caps: Capabilities, cfg: TestConfig) -> st.Se
         fields = dict(
             head_dim=cfg.head_dim,
             dtype=dtype_name(cfg.dtype),
+            kv_cache_dtype=dtype_name(cfg.kv_cache_dtype) if cfg.kv_cache_dtype is not None else None,
             page_size=cfg.page_size,
             window=draw(st.sampled_from(windows)),
             num_kv_heads=draw(st.sampled_from([2, 1])),

@@ -11,7 +11,10 @@ shows the bug. ``scale_layout`` picks the smallest such world a backend declares
   (float16, else bfloat16; else float32), the largest declared page size (fewest pages for the
   allocator's host bookkeeping);
 * a full pool of ``first_page`` pages below the boundary and ``room_pages`` past it: the full
-  layer's buffers have just over 2**31 elements.
+  layer's buffers have just over 2**31 elements;
+* with an FP8 ``kv_cache_dtype`` (the FP8 axis) the same shapes over an FP8 cache: the same
+  element count at one byte an element (a kernel's FP8 path has offsets of its own to get
+  right), the 2-byte dtype as the model's.
 
 ``hold_below`` then hands out every full page below the boundary (and gives back their SWA
 pages), so every slot a request gets afterwards lies past element 2**31 of the full layer's
@@ -36,6 +39,7 @@ import pytest
 import torch
 
 from attnplug import Capabilities, ForwardMode, ReqToTokenPool, SWAKVPool
+from attnplug.memory.fp8 import resolve_kv_cache_dtype
 
 from .config import TestConfig, dtype_name
 from .harness import World, WorldSpec
@@ -114,7 +118,7 @@ class ScaleLayout:
         """Bytes of the pools on the device: every layer's k and v buffers, the full -> SWA
         mapping (int32, ``size + page_size + 1``) and the request table (int32)."""
         s = self.spec
-        item = torch.empty((), dtype=s.dtype).element_size()
+        item = torch.empty((), dtype=resolve_kv_cache_dtype(s.kv_cache_dtype, s.dtype)).element_size()
         swa = len(s.swa_layers())
         rows = (s.num_layers - swa) * (s.size + s.page_size) + swa * (s.size_swa + s.page_size)
         kv = 2 * rows * self.row_elements * item
@@ -122,14 +126,18 @@ class ScaleLayout:
 
     def describe(self) -> str:
         s = self.spec
+        cache = dtype_name(resolve_kv_cache_dtype(s.kv_cache_dtype, s.dtype))
+        model = f" under a {dtype_name(s.dtype)} model" if s.kv_cache_dtype not in (None, s.dtype) else ""
         return (
             f"a full layer buffer of {self.full_elements:,} elements ({s.size + s.page_size:,} slots x "
-            f"{s.num_kv_heads} KV heads x head_dim {s.head_dim}, {dtype_name(s.dtype)}, page size {s.page_size})"
+            f"{s.num_kv_heads} KV heads x head_dim {s.head_dim}, {cache}{model}, page size {s.page_size})"
         )
 
 
-def scale_layout(caps: Capabilities) -> ScaleLayout:
-    """The world past the boundary for a backend of ``caps`` (see the module docstring)."""
+def scale_layout(caps: Capabilities, kv_cache_dtype: Optional[torch.dtype] = None) -> ScaleLayout:
+    """The world past the boundary for a backend of ``caps`` (see the module docstring), over a
+    cache of ``kv_cache_dtype`` (None: the model's; an FP8 dtype the caller checked is
+    declared)."""
     dtype = next((d for d in _DTYPES if d in caps.dtypes), None)
     if dtype is None:
         pytest.skip(
@@ -142,7 +150,7 @@ def scale_layout(caps: Capabilities) -> ScaleLayout:
     lengths = [p + a for p, a in zip(PROMPTS, _tokens_added())]
     room_pages = sum(-(-n // ps) for n in lengths) + 1
     width = max(ps, 16)
-    spec = TestConfig(dtype, head_dim, ps, bool(caps.sliding_window), caps.graphs).spec(
+    spec = TestConfig(dtype, head_dim, ps, bool(caps.sliding_window), caps.graphs, kv_cache_dtype).spec(
         num_layers=2 if caps.sliding_window else 1,
         swa_layer_ids=(0,) if caps.sliding_window else (),
         num_heads=NUM_HEADS,
@@ -215,7 +223,7 @@ def out_of_memory_skips(layout: ScaleLayout, device: torch.device) -> Iterator[N
 
 def make_pools(layout: ScaleLayout, device) -> Tuple[SWAKVPool, ReqToTokenPool]:
     """The KV pool and request table of ``layout.spec`` on ``device`` (what ``World`` builds,
-    without the allocator or a backend)."""
+    without the allocator, the FP8 scales or a backend)."""
     s = layout.spec
     pool = SWAKVPool(
         s.size,
@@ -224,7 +232,7 @@ def make_pools(layout: ScaleLayout, device) -> Tuple[SWAKVPool, ReqToTokenPool]:
         s.swa_layers(),
         s.num_kv_heads,
         s.head_dim,
-        s.dtype,
+        resolve_kv_cache_dtype(s.kv_cache_dtype, s.dtype),
         device,
         page_size=s.page_size,
     )

@@ -2,11 +2,12 @@
 and how the suite runs it against float64 attention.
 
 A ``SampledWorld`` is everything that decides one run: the heads (KV heads and query heads per
-KV head), head dim, dtype, page size, window, scaling, soft-cap, sinks, what the rows no request
-owns hold (``poison``), the requests of one mixed EXTEND batch in batch order (cached prefix,
-new tokens) and the order their request-table rows were taken in, and the speculative step
-(mode, drafts, drafts accepted per request). Its ``repr`` is valid Python: a failure message
-quotes it, and ``run_world(eval(text), make_world)`` replays that world alone.
+KV head), head dim, dtype, the KV cache's dtype (the model's, or an FP8 one), page size, window,
+scaling, soft-cap, sinks, what the rows no request owns hold (``poison``), the requests of one
+mixed EXTEND batch in batch order (cached prefix, new tokens) and the order their request-table
+rows were taken in, and the speculative step (mode, drafts, drafts accepted per request). Its
+``repr`` is valid Python: a failure message quotes it, and ``run_world(eval(text), make_world)``
+replays that world alone.
 
 ``run_world`` builds a world of two layers (one SWA layer when the world has a window, one
 full layer) and runs, each compared with ``exact.dense_attention``:
@@ -32,16 +33,18 @@ from typing import Callable, Optional, Tuple
 
 from attnplug import ForwardMode
 
-from .config import SUITE_DTYPES, dtype_name, spec_sizes
+from .config import SUITE_DTYPES, SUITE_FP8_KV_DTYPES, dtype_name, spec_sizes
 from .exact import assert_matches_exact, dense_attention
 from .harness import World, WorldSpec
 from .instruments import POISONS, poison_free_rows
 from .rules import WORLDS
 
-__all__ = ["SampledWorld", "run_world", "world_spec", "DTYPES", "DIMENSIONS"]
+__all__ = ["SampledWorld", "run_world", "world_spec", "DTYPES", "KV_CACHE_DTYPES", "DIMENSIONS"]
 
 #: the dtypes a world names, by name (so that its repr stays valid Python): the suite's dtypes
 DTYPES = {dtype_name(d): d for d in SUITE_DTYPES}
+#: the FP8 cache dtypes a world names, by name
+KV_CACHE_DTYPES = {dtype_name(d): d for d in SUITE_FP8_KV_DTYPES}
 _SPECULATIVE = ("TARGET_VERIFY", "DRAFT_EXTEND")
 #: the dimensions of the space the suite samples worlds from (``sampling`` draws each one)
 DIMENSIONS = ("head_groups", "draft_widths", "poison", "half_magnitudes", "batch_composition", "page_edges")
@@ -75,6 +78,8 @@ class SampledWorld:
     #: drafts kept per request after the speculative step (empty: all rejected)
     accepted: Tuple[int, ...] = ()
     seed: int = 0
+    #: what the KV cache stores: None (``dtype``) or an FP8 dtype's name (``KV_CACHE_DTYPES``)
+    kv_cache_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -82,6 +87,9 @@ class SampledWorld:
             problems.append(f"num_kv_heads {self.num_kv_heads} and group {self.group} must be >= 1")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            names = ", ".join(KV_CACHE_DTYPES)
+            problems.append(f"kv_cache_dtype {self.kv_cache_dtype!r} is not None or one of {names}")
         if self.poison not in POISONS:
             problems.append(f"poison {self.poison!r} is not one of {', '.join(POISONS)}")
         if self.speculative not in _SPECULATIVE:
@@ -133,6 +141,7 @@ def world_spec(world: SampledWorld) -> WorldSpec:
         logit_softcap=world.softcap,
         sinks=world.sinks,
         scramble_swa=True,
+        kv_cache_dtype=KV_CACHE_DTYPES[world.kv_cache_dtype] if world.kv_cache_dtype is not None else None,
     )
 
 

@@ -35,6 +35,7 @@ from .input_checks import (
     InputChecks,
     check_config,
     check_kv_buffer_size,
+    check_kv_cache_dtype,
     check_positive_float,
 )
 
@@ -76,6 +77,10 @@ class AttentionBackend(InputChecks, abc.ABC):
     denominator only (GPT-OSS): ``p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sink_h - m))``.
     Each is accepted only when the class declares it (``Capabilities.logit_softcap`` /
     ``Capabilities.attention_sinks``).
+
+    An FP8 pool (``attnplug.memory.fp8``) is served only by a class that lists its dtype in
+    ``Capabilities.fp8_kv_dtypes``; q, k and v are then of one of ``Capabilities.dtypes`` (k / v
+    are quantised at store with the pool's per-head scales) and the output is in q's dtype.
 
     A pool whose largest layer buffer has more than ``2**31 - 1`` elements is refused
     (``BackendConfigError``) unless the class declares ``Capabilities.large_kv_buffers``
@@ -119,6 +124,7 @@ class AttentionBackend(InputChecks, abc.ABC):
         self.scaling = float(scaling) if scaling is not None else 1.0 / math.sqrt(pool.head_dim)
         declared = type(self).declared_capabilities()
         check_kv_buffer_size(pool, declared, type(self).name)
+        check_kv_cache_dtype(pool, declared, type(self).name)
         if logit_softcap is not None:
             check_positive_float(logit_softcap, "logit_softcap")
             if declared is None or not declared.logit_softcap:
@@ -129,6 +135,8 @@ class AttentionBackend(InputChecks, abc.ABC):
         #: ``c`` of the logit soft-cap ``c * tanh(s / c)``; None: logits are not capped
         self.logit_softcap: Optional[float] = float(logit_softcap) if logit_softcap is not None else None
         self._accepts_sinks = bool(declared is not None and declared.attention_sinks)
+        #: the q / k / v dtypes ``forward`` takes over an FP8 pool (the declared ``dtypes``)
+        self._model_dtypes = tuple(declared.dtypes) if declared is not None else ()
         self._prepared_batch: Optional[ForwardBatch] = None
 
     # ------------------------------------------------------------------ description

@@ -63,8 +63,11 @@ class Capabilities:
     * ``needs_cpu_seq_lens``: False promises sync-free metadata from device tensors.
     * ``pdl``: kernels use Programmatic Dependent Launch in this process (decided at run time).
     * ``graphs``: the ``GraphSupport`` level.
-    * ``dtypes`` / ``head_dims`` / ``page_sizes``: the KV dtypes, head dims and pool page sizes
-      that are supported.
+    * ``dtypes`` / ``head_dims`` / ``page_sizes``: the model dtypes (q, k, v, the output, and
+      an unquantised cache), head dims and pool page sizes that are supported.
+    * ``fp8_kv_dtypes``: the FP8 KV cache dtypes served (``attnplug.memory.fp8``: k / v of any
+      of ``dtypes`` quantised at store with the pool's per-head scales, attention over the
+      dequantised cache). Default ``()``: the constructor refuses an FP8 pool.
     * ``sliding_window``: SWA layers (``sliding_window=W``) are supported.
     * ``logit_softcap``: the constructor accepts ``logit_softcap=c`` (logits capped to
       ``c * tanh(s / c)`` before masking and softmax). Default False.
@@ -87,6 +90,12 @@ class Capabilities:
     logit_softcap: bool = False
     attention_sinks: bool = False
     large_kv_buffers: bool = False
+    fp8_kv_dtypes: Tuple[torch.dtype, ...] = ()
+
+    @property
+    def kv_dtypes(self) -> Tuple[torch.dtype, ...]:
+        """Every dtype a KV cache of this backend may store: ``dtypes`` then ``fp8_kv_dtypes``."""
+        return tuple(self.dtypes) + tuple(self.fp8_kv_dtypes)
 
     def to_json(self) -> dict:
         return {
@@ -101,6 +110,7 @@ class Capabilities:
             "logit_softcap": self.logit_softcap,
             "attention_sinks": self.attention_sinks,
             "large_kv_buffers": self.large_kv_buffers,
+            "fp8_kv_dtypes": [str(d).replace("torch.", "") for d in self.fp8_kv_dtypes],
         }
 
     def for_instance(

@@ -31,6 +31,8 @@ decided per GPU, graphs on this install) is what `attnplug info` shows.
 - **logit soft-cap**: the constructor accepts `logit_softcap=c` (logits `c * tanh(s / c)`).
 - **attention sinks**: `forward` accepts `sinks=` (a learned logit per q head in the softmax
   denominator).
+- **FP8 KV**: the FP8 cache dtypes served (k / v quantised at store with per-head scales;
+  `attnplug.memory.fp8` has the rule).
 - **large KV buffers**: layer KV buffers of more than 2**31 - 1 elements (slots x KV heads x
   head_dim) are addressed with 64-bit offsets; a backend without it refuses such a pool.
 """
@@ -43,7 +45,7 @@ def _cell(values) -> str:
 def _row(name: str, distribution: Optional[str], caps: Optional[Capabilities], problem: Optional[str]) -> str:
     dist = distribution or "-"
     if caps is None:
-        return f"| `{name}` | {dist} | {problem or 'declares nothing at class level'} |" + " |" * 11
+        return f"| `{name}` | {dist} | {problem or 'declares nothing at class level'} |" + " |" * 12
     graphs = GraphSupport(caps.graphs)
     modes = _cell(m.name for m in graphs.modes)
     return (
@@ -51,7 +53,7 @@ def _row(name: str, distribution: Optional[str], caps: Optional[Capabilities], p
         f"{'where supported' if caps.pdl else 'no'} | {graphs.name} ({modes}) | {_cell(caps.dtypes)} | "
         f"{_cell(caps.head_dims)} | {_cell(caps.page_sizes)} | {'yes' if caps.sliding_window else 'no'} | "
         f"{'yes' if caps.logit_softcap else 'no'} | {'yes' if caps.attention_sinks else 'no'} | "
-        f"{'yes' if caps.large_kv_buffers else 'no'} |"
+        f"{'yes' if caps.large_kv_buffers else 'no'} | {_cell(caps.fp8_kv_dtypes)} |"
     )
 
 
@@ -65,8 +67,9 @@ def capabilities_markdown(registry=None) -> str:
     lines: List[str] = [
         _HEADER,
         "| backend | distribution | device type | needs_cpu_seq_lens | PDL | graphs | "
-        "dtypes | head dims | page sizes | sliding window | logit soft-cap | attention sinks | large KV buffers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "dtypes | head dims | page sizes | sliding window | logit soft-cap | attention sinks | large KV buffers | "
+        "FP8 KV |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     records = sorted(registry.records, key=lambda r: r.name)
     for record in records:

@@ -29,6 +29,7 @@ __all__ = [
     "INT32_MAX_ELEMENTS",
     "check_config",
     "check_kv_buffer_size",
+    "check_kv_cache_dtype",
     "largest_kv_buffer_elements",
     "check_positive_float",
 ]
@@ -89,6 +90,22 @@ def check_kv_buffer_size(pool: "SWAKVPool", declared: Optional["Capabilities"], 
         )
 
 
+def check_kv_cache_dtype(pool: "SWAKVPool", declared: Optional["Capabilities"], backend: str) -> None:
+    """An FP8 pool needs a backend class that lists its dtype in ``fp8_kv_dtypes``, else
+    ``BackendConfigError`` naming the dtype and what the backend serves."""
+    from .memory.fp8 import is_fp8
+
+    if not is_fp8(pool.dtype):
+        return
+    served = tuple(declared.fp8_kv_dtypes) if declared is not None else ()
+    if pool.dtype not in served:
+        names = ", ".join(str(d).replace("torch.", "") for d in served) or "none"
+        raise BackendConfigError(
+            f"the KV pool stores {str(pool.dtype).replace('torch.', '')}: the {backend} backend does not serve "
+            f"that FP8 KV cache (its capabilities declare fp8_kv_dtypes: {names})"
+        )
+
+
 def check_positive_float(value: Any, name: str) -> None:
     """``value`` is a finite int or float > 0 (not a bool), else ``BackendConfigError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -140,7 +157,8 @@ class InputChecks:
         self, q, k, v, batch: ForwardBatch, save_kv_cache: bool = True, *, sinks: Optional[torch.Tensor] = None
     ) -> None:
         """Host-side checks of one layer's inputs: the prepared batch, q/k/v shapes, dtypes
-        (q, k and v in the pool's floating dtype) and devices, and ``sinks`` (None, or a
+        (q, k and v in the pool's dtype; over an FP8 pool, all three in one dtype the
+        capabilities declare) and devices, and ``sinks`` (None, or a
         float32 ``[num_heads]`` tensor on the pool's device, only when the backend declares
         ``attention_sinks``). Raises ``ValueError`` / ``BatchError`` naming the argument.
         Reads no device value."""
@@ -148,6 +166,15 @@ class InputChecks:
             self._check_sinks(sinks)
         self._check_prepared_batch(batch)
         T = batch.num_tokens
+        model_dtype = self.pool.dtype
+        if self.pool.k_scale is not None and isinstance(q, torch.Tensor):  # FP8 pool: q's dtype, declared
+            model_dtype = q.dtype
+            served = getattr(self, "_model_dtypes", ())
+            if model_dtype not in served:
+                raise ValueError(
+                    f"q is {str(q.dtype).replace('torch.', '')}: over an FP8 KV cache q, k and v must be one of "
+                    f"the backend's dtypes ({', '.join(str(d).replace('torch.', '') for d in served)})"
+                )
         expected = {"q": (T, self.num_heads, self.head_dim)}
         if save_kv_cache or k is not None or v is not None:
             expected["k"] = expected["v"] = (T, self.num_kv_heads, self.head_dim)
@@ -158,10 +185,16 @@ class InputChecks:
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != expected[name]:
                 raise ValueError(f"{name} must be {list(expected[name])}, got {tuple(t.shape)}")
-            if t.dtype != self.pool.dtype:
+            if t.dtype != model_dtype:
+                held = str(self.pool.dtype).replace("torch.", "")
                 raise ValueError(
-                    f"{name} is {str(t.dtype).replace('torch.', '')}, the KV pool holds "
-                    f"{str(self.pool.dtype).replace('torch.', '')} (q, k and v must match it)"
+                    f"{name} is {str(t.dtype).replace('torch.', '')}, "
+                    + (
+                        f"q is {str(model_dtype).replace('torch.', '')} "
+                        f"(over the {held} KV cache q, k and v share a dtype)"
+                        if model_dtype != self.pool.dtype
+                        else f"the KV pool holds {held} (q, k and v must match it)"
+                    )
                 )
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the KV pool on {self.device}")

@@ -200,7 +200,7 @@ def test_the_check_skips_without_hypothesis(monkeypatch):
 
     monkeypatch.setitem(__import__("sys").modules, "attnplug_conformance.sampling", None)
     with pytest.raises(pytest.skip.Exception, match="sampled worlds need hypothesis"):
-        module.check_sampled_worlds.__wrapped__("poison", _NARROW, None, False)
+        module.check_sampled_worlds.__wrapped__("poison", None, _NARROW, None, False)
 
 
 def test_base_config_takes_the_smallest_page_of_a_backend_without_pages_1_or_4():

@@ -182,10 +182,12 @@ def test_mutant_is_wrong_past_the_boundary():
 
 
 # ---------------------------------------------------------------------------- the suite
-def _outcomes(target: str, keyword: str = CHECK):
-    """``{case id: TestResult}`` of the suite's tests matching ``keyword`` against ``target``."""
+def _outcomes(target: str, keyword: str = f"{CHECK} and {suite_runs.WITHOUT_FP8_AXIS}"):
+    """``{case id: TestResult}`` of the suite's tests matching ``keyword`` against ``target``
+    (default: the check with the model's cache; an FP8 case's id ends in its cache,
+    ``past_2_31-kv_fp8_e4m3``)."""
     results, _ = suite_runs.run_suite(target, keyword, large_buffers=True)
-    return {nodeid.split("-")[-1].rstrip("]"): r for nodeid, r in results.items()}
+    return {nodeid.split("[", 1)[1].rstrip("]")[len(target) + 1 :]: r for nodeid, r in results.items()}
 
 
 def _skip_when_short_of_memory(result) -> None:
@@ -210,6 +212,15 @@ def test_check_passes_the_reference():
     _skip_when_short_of_memory(cases["past_2_31"])
     assert cases["past_2_31"].outcome == "passed", cases["past_2_31"]
     assert cases["undeclared_refused"].outcome == "skipped"
+
+
+@pytest.mark.slow
+def test_check_passes_the_reference_over_an_fp8_cache():
+    """The same element count at one byte an element (about 4.4 GB): the FP8 axis' case."""
+    cases = _outcomes("reference", f"{CHECK} and kv_fp8_e4m3")
+    _skip_when_short_of_memory(cases["past_2_31-kv_fp8_e4m3"])
+    assert cases["past_2_31-kv_fp8_e4m3"].outcome == "passed", cases["past_2_31-kv_fp8_e4m3"]
+    assert cases["undeclared_refused-kv_fp8_e4m3"].outcome == "skipped"
 
 
 @pytest.mark.slow

@@ -367,8 +367,8 @@ BAD_POOLS = [
     ({"swa_layer_ids": [True]}, ["swa_layer_ids", "True"]),
     ({"swa_layer_ids": [0.0]}, ["swa_layer_ids", "0.0"]),
 ]
-if hasattr(torch, "float8_e4m3fn"):
-    BAD_POOLS.append(({"dtype": torch.float8_e4m3fn}, ["dtype", "float8_e4m3fn"]))
+BAD_POOLS.append(({"dtype": torch.float8_e4m3fnuz}, ["dtype", "float8_e4m3fnuz"]))  # FP8, but not a served format
+BAD_POOLS.append(({"dtype": torch.int8}, ["dtype", "int8"]))
 
 
 @pytest.mark.parametrize("overrides, needles", BAD_POOLS, ids=[repr(o) for o, _ in BAD_POOLS])

@@ -6,15 +6,19 @@ window can no longer reach hold NaN there, so reading one would show), builds th
 tables with ``step_metadata`` and runs the kernel as a full layer (``req_to_token`` rows) or
 as an SWA layer (the window table from each request's ``window_start``), through ``attend``:
 the plan the planner gives the shape (``plan_paged``), with ``config`` fields replaced.
+``kv_dtype`` (an FP8 dtype) makes both caches FP8 with per-head ``kv_scales``
+(``one_launch_cases.Stored``): histories stored quantised, the oracle over what the cache holds.
 """
 
 import math
 from typing import List, Optional
 
 import torch
+from one_launch_cases import Stored, bits
 
+from attnplug.memory.fp8 import is_fp8
 from attnplug_cuda.kernels import pdl_supported
-from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, NewRows, num_sms
+from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, KVScales, NewRows, num_sms
 from attnplug_cuda.kernels.paged_attention import paged_attention
 from attnplug_cuda.kernels.pdl import Schedule
 from attnplug_cuda.kernels.step_metadata import step_metadata
@@ -29,22 +33,24 @@ def plan_for(q, k_cache, *, max_q_len, max_kv_len, window, num_reqs, config=None
     """The planner's plan for this launch shape (the default tuning), ``config`` fields replaced."""
     T, H, D = q.shape
     hkv = k_cache.shape[1]
-    shape = LaunchShape(num_reqs, T, hkv, H // hkv, D, max_q_len, max_kv_len, window, num_sms(q.device))
+    shape = LaunchShape(
+        num_reqs, T, hkv, H // hkv, D, max_q_len, max_kv_len, window, num_sms(q.device), is_fp8(k_cache.dtype)
+    )
     return plan_paged(shape, CudaTuning())._replace(**(config or {}))
 
 
 def attend(q, k_cache, v_cache, out, *, cu_q_lens, seq_lens, table, rows, start=None, max_q_len, max_kv_len,
            window=None, config=None, k=None, v=None, loc=None, sm_scale=None, softcap=None, sinks=None,
-           pdl=None):  # fmt: skip
+           pdl=None, kv_scales=None):  # fmt: skip
     """``paged_attention`` as the backend calls it: the planned plan, the key table; ``k``,
-    ``v``, ``loc``: the step's rows to store."""
+    ``v``, ``loc``: the step's rows to store; ``kv_scales``: an FP8 cache's ``KVScales``."""
     plan = plan_for(q, k_cache, max_q_len=max_q_len, max_kv_len=max_kv_len, window=window,
                     num_reqs=cu_q_lens.shape[0] - 1, config=config)  # fmt: skip
     if loc is None and (k is not None or v is not None):
         raise ValueError("k / v without loc")
     new = NewRows.of(k, v, loc) if loc is not None else None
     keys = KeyTable.of(table, rows, start)
-    inputs = AttentionInputs(cu_q_lens, seq_lens, keys, max_q_len, sm_scale, window, softcap, sinks)
+    inputs = AttentionInputs(cu_q_lens, seq_lens, keys, max_q_len, sm_scale, window, softcap, sinks, kv_scales)
     return paged_attention(q, k_cache, v_cache, out, inputs, plan, new=new, pdl=pdl)
 
 
@@ -97,26 +103,33 @@ def run_case(
     sinks: Optional[torch.Tensor] = None,
     store: bool = False,
     bad_locs: Optional[List[int]] = None,
+    kv_dtype=None,
+    kv_scales=None,
     **kernel_kw,
 ):
     """One paged_attention call against float64. ``store``: the new tokens' cache rows hold
     NaN before the call and the kernel stores them itself (``NewRows``); the cache
     after the call must equal the cache with the rows written, nothing else changed.
     ``bad_locs``: slot values for the first ``len(bad_locs)`` new tokens of the last request
-    (garbage the kernel must skip; their keys stay out of the reference too)."""
+    (garbage the kernel must skip; their keys stay out of the reference too). ``kv_dtype``: the
+    caches' dtype (default ``dtype``), with ``kv_scales`` = (k_scale, v_scale) float32 ``[Hkv]``
+    for an FP8 one (default ones)."""
     g = torch.Generator().manual_seed(seed)
+    cache_dtype = dtype if kv_dtype is None else kv_dtype
+    if is_fp8(cache_dtype) and kv_scales is None:
+        kv_scales = (torch.ones(Hkv), torch.ones(Hkv))
+    kv = Stored(cache_dtype, *(kv_scales or (None, None)))
     bs = len(q_lens)
     padded = [s == PAD for s in seq_lens]
     seq = [1 if p else s for p, s in zip(padded, seq_lens)]
     size = sum(s for s, p in zip(seq, padded) if not p) + 8
     max_ctx = max(seq) + 3
     # full pool: slot 0 is the sink (zeros: padded tokens' junk is finite)
-    k_full = torch.zeros(size, Hkv, D, dtype=dtype)
-    v_full = torch.zeros(size, Hkv, D, dtype=dtype)
-    k_swa = torch.full((size, Hkv, D), float("nan"), dtype=dtype)
-    v_swa = torch.full((size, Hkv, D), float("nan"), dtype=dtype)
-    k_swa[0] = 0
-    v_swa[0] = 0
+    k_full = torch.zeros(size, Hkv, D, dtype=cache_dtype)
+    v_full = torch.zeros(size, Hkv, D, dtype=cache_dtype)
+    k_swa = torch.full((size, Hkv, D), float("nan"), dtype=cache_dtype)
+    v_swa = torch.full((size, Hkv, D), float("nan"), dtype=cache_dtype)
+    bits(k_swa)[0] = bits(v_swa)[0] = 0
     mapping = torch.zeros(size + 2, dtype=torch.int32)
     mapping[1:size] = (torch.randperm(size - 1, generator=g) + 1).int()
     mapping[-1] = -1
@@ -138,10 +151,12 @@ def run_case(
         vh = torch.randn(s, Hkv, D, generator=g).to(dtype)
         hist_k.append(kh)
         hist_v.append(vh)
-        k_full[slots], v_full[slots] = kh, vh
+        kv.put(k_full, slots, kh, "k")
+        kv.put(v_full, slots, vh, "v")
         reach = 0 if window is None else max(0, s - n - window + 1)  # first position any query sees
         swa_slots = mapping[slots].long()
-        k_swa[swa_slots[reach:]], v_swa[swa_slots[reach:]] = kh[reach:], vh[reach:]
+        kv.put(k_swa, swa_slots[reach:], kh[reach:], "k")
+        kv.put(v_swa, swa_slots[reach:], vh[reach:], "v")
         locs.append(slots[s - n :])
     T = sum(q_lens)
     q = torch.randn(T, H, D, generator=g).to(dtype)
@@ -161,7 +176,7 @@ def run_case(
         want_k, want_v = cache_k.clone(), cache_v.clone()
         live = loc > 0
         cache_k[loc[live].long()] = float("nan")  # read back unstored, they would show
-        cache_v[loc[live].long()] = float("nan")
+        cache_v[loc[live].long()] = float("nan")  # (an FP8 cache's NaN code)
         first = T - q_lens[-1]
         for i, bad in enumerate(bad_locs or []):
             slot = loc[first + i].long()
@@ -199,16 +214,19 @@ def run_case(
         common["sinks"] = sinks.to(DEVICE)
     common.update(store_args, **kernel_kw)
     dev_k, dev_v = to(cache_k), to(cache_v)
+    if is_fp8(cache_dtype):
+        common["kv_scales"] = KVScales.of(*(t.float().to(DEVICE) for t in kv_scales))
     if layer == "full":
         attend(to(q), dev_k, dev_v, out, table=to(req_to_token), rows=rpi, max_kv_len=max_ctx, **common)
     else:
         assert window is not None
         rows_swa = torch.arange(bs, dtype=torch.int32, device=DEVICE)
         attend(to(q), dev_k, dev_v, out, table=table, rows=rows_swa, start=ws, max_kv_len=max_ctx, **common)
-    want = reference(q, hist_k, hist_v, q_lens, seq, window, 1.0 / math.sqrt(D), softcap, sinks)
-    if store:
-        torch.testing.assert_close(dev_k.cpu(), want_k, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(dev_v.cpu(), want_v, rtol=0, atol=0, equal_nan=True)
+    held_k, held_v = [kv.held(h, "k") for h in hist_k], [kv.held(h, "v") for h in hist_v]
+    want = reference(q, held_k, held_v, q_lens, seq, window, 1.0 / math.sqrt(D), softcap, sinks)
+    if store:  # bit for bit (NaN included)
+        assert torch.equal(bits(dev_k.cpu()), bits(want_k)), "the K cache differs from the expected stores"
+        assert torch.equal(bits(dev_v.cpu()), bits(want_v)), "the V cache differs from the expected stores"
     if check:
         got = out.cpu().double()
         assert torch.isfinite(got).all(), "non-finite output"

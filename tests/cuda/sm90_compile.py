@@ -5,7 +5,8 @@ can pass every interpreted test and still fail to compile on the GPU (for instan
 to values of different types in the two branches of a runtime ``if``). This script drives the
 cuda backend through the launches a serving loop makes (EXTEND, eager DECODE on the one-launch
 small-step path, graph capture and replay of DECODE and TARGET_VERIFY, with and without
-soft-capping and sinks, SWA and full layers; the paths a tuning selects), records each
+soft-capping and sinks, SWA and full layers; the paths a tuning selects; over bfloat16 and FP8
+KV caches), records each
 ``kernel[grid](...)`` launch instead of running it, and compiles every distinct (kernel,
 argument types, constexprs, options) for ``GPUTarget("cuda", 90, 32)`` down to a cubin with
 the ptxas Triton ships (a decode or draft launch whose registers spill fails too; the large
@@ -42,17 +43,24 @@ def drive() -> None:
 
     cuda_backend.interpreting = lambda: True  # accept a CPU pool: no kernel runs here anyway
     common.num_sms = lambda device: 132  # the plans of a 132-SM H100 / H200, not the CPU stand-in
+
     paged = functools.partial(cuda_backend.CudaBackend, tuning=dataclasses.replace(CudaTuning(), one_launch=False))
-    for extra, backend_cls, kv_heads in (
-        ({}, cuda_backend.CudaBackend, 2),
-        ({"logit_softcap": 5.0, "sinks": True}, cuda_backend.CudaBackend, 2),
-        ({}, paged, 2),  # decode and verify steps through paged_attention, storing the step
-        ({}, cuda_backend.CudaBackend, 8),  # 24 groups: decode steps fold their own key, release at entry, pair
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    for extra, backend_cls, kv_heads, kv_dtype in (
+        ({}, cuda_backend.CudaBackend, 2, None),
+        ({"logit_softcap": 5.0, "sinks": True}, cuda_backend.CudaBackend, 2, None),
+        ({}, paged, 2, None),  # decode and verify steps through paged_attention, storing the step
+        # 24 groups: decode steps fold their own key, release at entry, pair
+        ({}, cuda_backend.CudaBackend, 8, None),
+        # FP8 caches: the stores quantise, the tiles are converted in registers (and store_attend's are smaller)
+        ({}, cuda_backend.CudaBackend, 2, e4m3),
+        ({"logit_softcap": 5.0, "sinks": True}, paged, 2, e5m2),
+        ({}, cuda_backend.CudaBackend, 8, e4m3),
     ):
         model = dict(num_layers=2, swa_layer_ids=(0,), num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=128)
         # a 1,024-key bound: full layers split their KV range (the combine kernel)
         pools = dict(size=2048, size_swa=1024, max_reqs=8, max_context_len=1024)
-        spec = WorldSpec(**model, **pools, dtype=torch.bfloat16, sliding_window=16, **extra)
+        spec = WorldSpec(**model, **pools, dtype=torch.bfloat16, kv_cache_dtype=kv_dtype, sliding_window=16, **extra)
         world = World(spec, backend_cls, "cpu", seed=0)
         world.backend.pdl = True  # the launches a Hopper GPU gets
         reqs = [world.new_request() for _ in range(3)]

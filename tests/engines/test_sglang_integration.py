@@ -9,7 +9,11 @@ installs it without its GPU dependencies).
   layers driven through attnplug's SGLang backend for an EXTEND (one prompt on a cached prefix)
   and a DECODE step, against SGLang's ``torch_native`` backend on twin pools and against
   float64 attention; the hoisted SWA translation, the legacy graph hooks' replay into the
-  captured tensors, and the soft-cap and sinks.
+  captured tensors, and the soft-cap and sinks;
+* FP8 pools (SGLang's ``SWAKVPool`` of ``float8_e4m3fn`` / ``float8_e5m2``): the same bytes and
+  outputs as ``torch_native`` without scales, and with the layers' ``k_scale`` / ``v_scale``
+  (a tensor, a float, None) the bytes of ``attnplug.memory.fp8.quantize_kv`` at the hoisted
+  slots and float64 attention over the dequantised cache.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from attnplug.integrations.sglang.backend import AttnplugSGLangBackend  # noqa: E402
+from attnplug.memory.fp8 import dequantize_kv, quantize_kv  # noqa: E402
 from attnplug.oracle import exact_attention  # noqa: E402
 
 H, HKV, D, WINDOW = 4, 2, 32, 5  # SGLang's sliding_window_size: keys p - 5 .. p (6 keys)
@@ -69,14 +74,14 @@ def test_plugin_loads_and_the_option_is_accepted():
 class _World:
     """SGLang's pools for one SWA layer (0) and one full layer (1), two requests."""
 
-    def __init__(self, seed=0, scrambled=True):
+    def __init__(self, seed=0, scrambled=True, dtype=torch.float32):
         torch.manual_seed(seed)
         self.req = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
         self.pool = SWAKVPool(
             size=128,
             size_swa=96,
             page_size=1,
-            dtype=torch.float32,
+            dtype=dtype,
             head_num=HKV,
             head_dim=D,
             swa_attention_layer_ids=[0],
@@ -229,3 +234,101 @@ def test_unsupported_mode_is_refused_by_name():
     fb.forward_mode = ForwardMode.IDLE
     with pytest.raises(NotImplementedError, match="IDLE"):
         backend.init_forward_metadata(fb)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv", FP8, ids=str)
+def test_fp8_pools_match_sglangs_torch_native_backend(kv):
+    """Without scales (SGLang's default: 1.0) both backends store the same FP8 bytes (SGLang's
+    pool casts k / v to its dtype, attnplug quantises by its rule: the same float32 rounding)
+    and attend over the same values."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    worlds = [_World(scrambled=False, dtype=kv), _World(scrambled=False, dtype=kv)]
+    ours, theirs = AttnplugSGLangBackend(worlds[0].runner), TorchNativeAttnBackend(worlds[1].runner)
+    batches = [_steps(w) for w in worlds]
+    qkv = _inputs(batches[0])
+    a = _run(ours, _layers(), batches[0], qkv)
+    b = _run(theirs, _layers(), batches[1], qkv)
+    for step_a, step_b in zip(a, b):
+        for out_a, out_b in zip(step_a, step_b):
+            assert torch.allclose(out_a, out_b.view_as(out_a), atol=1e-5, rtol=1e-5)
+    for layer in (0, 1):
+        mine, other = worlds[0].pool.get_key_buffer(layer), worlds[1].pool.get_key_buffer(layer)
+        assert mine.dtype == kv and torch.equal(mine.view(torch.uint8), other.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv", FP8, ids=str)
+def test_fp8_layer_scales_and_saturation_match_float64(kv):
+    """Each layer's own scales (layer 0: float32 tensors as SGLang loads them from a checkpoint;
+    layer 1: a float k_scale and no v_scale, i.e. 1.0), a value beyond the format's range that
+    saturates, a scrambled full->SWA mapping: the pools hold ``quantize_kv`` of the inputs at
+    the step's slots (the SWA layer at the hoisted translated ones), and every output is float64
+    attention over the dequantised history."""
+    world = _World(dtype=kv)
+    backend = AttnplugSGLangBackend(world.runner)
+    layers = _layers()
+    layers[0].k_scale = torch.nn.Parameter(torch.tensor(0.004), requires_grad=False)
+    layers[0].v_scale = torch.nn.Parameter(torch.tensor(0.02), requires_grad=False)
+    layers[1].k_scale, layers[1].v_scale = 0.05, None
+    scales = {0: (torch.full((HKV,), 0.004), torch.full((HKV,), 0.02)), 1: (torch.full((HKV,), 0.05), torch.ones(HKV))}
+    batches = _steps(world)
+    qkv = _inputs(batches)
+    qkv[0][1][0, :3] = torch.tensor([1e6, -1e6, 300.0])  # beyond 57344 * 0.004 and 448 * 0.05
+    outs = _run(backend, layers, batches, qkv)
+    pool = world.pool
+    hist = {0: [], 1: []}
+    for fb, (q, k, v), step_out in zip(batches, qkv, outs):
+        k, v = k.view(-1, HKV, D), v.view(-1, HKV, D)
+        swa_loc = pool.translate_loc_from_full_to_swa(fb.out_cache_loc)
+        for layer, loc in ((0, swa_loc), (1, fb.out_cache_loc)):
+            ks, vs = scales[layer]
+            assert torch.equal(
+                pool.get_key_buffer(layer)[loc].view(torch.uint8), quantize_kv(k, ks, kv).view(torch.uint8)
+            )
+            assert torch.equal(
+                pool.get_value_buffer(layer)[loc].view(torch.uint8), quantize_kv(v, vs, kv).view(torch.uint8)
+            )
+        new = fb.extend_seq_lens_cpu
+        lo = 0
+        for r, n in enumerate(new):
+            hist[r].append((k[lo : lo + n], v[lo : lo + n]))
+            lo += n
+        seq = [sum(x[0].shape[0] for x in hist[r]) for r in (0, 1)]
+        for layer, window in ((0, WINDOW + 1), (1, None)):
+            ks, vs = scales[layer]
+            keys = torch.zeros(2, max(seq), HKV, D, dtype=torch.float64)
+            values = keys.clone()
+            for r in (0, 1):
+                kr, vr = torch.cat([x[0] for x in hist[r]]), torch.cat([x[1] for x in hist[r]])
+                keys[r, : seq[r]] = dequantize_kv(quantize_kv(kr, ks, kv), ks, torch.float64)
+                values[r, : seq[r]] = dequantize_kv(quantize_kv(vr, vs, kv), vs, torch.float64)
+            exact = exact_attention(q.view(-1, H, D).double(), keys, values, seq, new, window, 0.2)
+            got = step_out[layer].view(-1, H, D).double()
+            assert bool(torch.isfinite(got).all())
+            assert float((got - exact).abs().max()) < 1e-5
+    top = torch.finfo(kv).max
+    assert (
+        float(pool.get_key_buffer(0).float().abs().max()) == top
+        or float(pool.get_key_buffer(1).float().abs().max()) == top
+    )
+
+
+def test_a_pool_dtype_the_op_layer_does_not_serve_is_refused():
+    world = _World()
+    odd = SimpleNamespace(dtype=torch.float8_e4m3fnuz)  # ROCm's FP8 (not attnplug's)
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=world.req, token_to_kv_pool=odd)
+    with pytest.raises(NotImplementedError, match="KV cache dtype torch.float8_e4m3fnuz is not served"):
+        AttnplugSGLangBackend(runner)
+
+
+def test_a_bad_float_scale_is_refused_by_name():
+    world = _World(dtype=torch.float8_e4m3fn)
+    backend = AttnplugSGLangBackend(world.runner)
+    layers = _layers()
+    layers[1].k_scale = -1.0
+    batches = _steps(world)
+    with pytest.raises(ValueError, match="layer 1's k_scale must hold finite floats > 0"):
+        _run(backend, layers, batches[:1], _inputs(batches[:1]))

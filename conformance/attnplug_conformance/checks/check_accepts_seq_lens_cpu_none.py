@@ -3,10 +3,13 @@ works with ``seq_lens_cpu=None``.
 
 ``decide_needs_cpu_seq_lens`` lets an engine skip building the host mirror of ``seq_lens``
 when no backend needs it; the backend then gets ``seq_lens_cpu=None`` in every mode, eagerly
-and in graph replay, and must still match the reference.
+and in graph replay, and must still match the reference. Also over each declared FP8 cache
+(``kv_fp8_e4m3``, ``kv_fp8_e5m2``; ``kv_auto``: the model's dtype).
 """
 
 from __future__ import annotations
+
+import pytest
 
 from attnplug import ForwardMode
 from attnplug_conformance.support import (
@@ -15,6 +18,7 @@ from attnplug_conformance.support import (
     base_config,
     conformance_check,
     graph_modes,
+    kv_axis,
     new_tokens_of,
     require,
 )
@@ -23,11 +27,12 @@ __all__ = ["check_accepts_seq_lens_cpu_none"]
 
 
 @conformance_check(rule=SEQ_LENS_CPU_NONE)
-def check_accepts_seq_lens_cpu_none(attnplug_capabilities, attnplug_world, attnplug_reference_world):
+@pytest.mark.parametrize(*kv_axis())
+def check_accepts_seq_lens_cpu_none(kv_cache_dtype, attnplug_capabilities, attnplug_world, attnplug_reference_world):
     """Every mode, eager and replayed, with ``seq_lens_cpu=None``."""
     caps = attnplug_capabilities
     require(not caps.needs_cpu_seq_lens, "needs_cpu_seq_lens is True: the engine passes seq_lens_cpu")
-    cfg = base_config(caps)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     spec = cfg.spec()
     twins = Twins(attnplug_world(spec, 61), attnplug_reference_world(spec, 61), rule=SEQ_LENS_CPU_NONE)
     a = twins.add(3)

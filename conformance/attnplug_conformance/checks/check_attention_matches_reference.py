@@ -22,6 +22,13 @@ scrambled, so the full -> SWA translation is never the identity.
   each declared half-precision dtype, compared with attention computed in float64 as a
   relative error per (token, layer, head): low-precision accumulation grows with the number
   of keys and fails here.
+
+The FP8 axis: every case whose model dtype is half precision (the cases that name none take
+``config.fp8_model_dtype``) also runs over each declared FP8 cache (``...-kv_fp8_e4m3``): the
+backend and the reference quantise by the one exact rule, so the caches must stay bit-identical,
+and the outputs within the model dtype's tolerance; the long context is judged against float64
+attention over the dequantised cache. ``every_combination`` (thorough) also crosses every
+declared FP8 dtype with the half dtypes.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from attnplug_conformance.support import (
     base_config,
     conformance_check,
     dtype_name,
+    kv_axis,
     new_tokens_of,
     require,
 )
@@ -99,6 +107,12 @@ def _cases():
 
 
 CASES = _cases()
+
+
+def _fp8_applies(case: Case) -> bool:
+    """The FP8 axis: cases in a half-precision model dtype (or none named); ``every_combination``
+    crosses the FP8 dtypes itself."""
+    return case.kind != "every_combination" and (case.dtype is None or case.dtype.itemsize == 2)
 
 
 def _prefix(n: int):
@@ -204,14 +218,23 @@ def _scenario(cfg, make_world, make_ref) -> None:
     twins.step(ForwardMode.DECODE, [a[0], a[2]] + b, what="DECODE step after a request finished")
 
 
+def _combinations(caps):
+    """``(dtype, kv_cache_dtype)`` of ``every_combination``: every declared suite dtype with its
+    own cache, and every half one over every declared FP8 cache."""
+    dtypes = [d for d in SUITE_DTYPES if d in caps.dtypes]
+    fp8 = list(caps.fp8_kv_dtypes)
+    return [(d, None) for d in dtypes] + [(d, kv) for d in dtypes if d.itemsize == 2 for kv in fp8]
+
+
 @conformance_check
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(*kv_axis("case", CASES, [c.id for c in CASES], fp8=_fp8_applies))
 def check_attention_matches_reference(
-    case, attnplug_capabilities, attnplug_world, attnplug_reference_world, attnplug_thorough
+    case, kv_cache_dtype, attnplug_capabilities, attnplug_world, attnplug_reference_world, attnplug_thorough
 ):
     """Outputs within the dtype's tolerance of the reference and bit-identical KV caches."""
     caps = attnplug_capabilities
-    cfg = base_config(caps, dtype=case.dtype, head_dim=case.head_dim, page_size=case.page_size)
+    kv = kv_cache_dtype
+    cfg = base_config(caps, dtype=case.dtype, head_dim=case.head_dim, page_size=case.page_size, kv_cache_dtype=kv)
     make, make_ref = attnplug_world, attnplug_reference_world
     if case.kind == "mode":
         _mode_case(case, cfg, make, make_ref)
@@ -221,18 +244,21 @@ def check_attention_matches_reference(
         _scenario(cfg, make, make_ref)
     elif case.kind == "every_head_dim":
         for hd in caps.head_dims:
-            _short_scenario(_two_layers(base_config(caps, head_dim=hd)), make, make_ref, f"head_dim {hd}")
+            cfg = base_config(caps, head_dim=hd, kv_cache_dtype=kv)
+            _short_scenario(_two_layers(cfg), make, make_ref, f"head_dim {hd}")
     elif case.kind == "every_page_size":
         for ps in caps.page_sizes:
-            _short_scenario(_two_layers(base_config(caps, page_size=ps)), make, make_ref, f"page_size {ps}")
+            cfg = base_config(caps, page_size=ps, kv_cache_dtype=kv)
+            _short_scenario(_two_layers(cfg), make, make_ref, f"page_size {ps}")
     elif case.kind == "every_combination":
         require(attnplug_thorough, "runs with --attnplug-thorough (attnplug conformance --thorough)")
-        for dtype in [d for d in SUITE_DTYPES if d in caps.dtypes]:
+        for dtype, kv in _combinations(caps):
+            cache = f" over a {dtype_name(kv)} cache" if kv is not None else ""
             for hd in caps.head_dims:
                 for ps in caps.page_sizes:
-                    cfg = base_config(caps, dtype=dtype, head_dim=hd, page_size=ps)
+                    cfg = base_config(caps, dtype=dtype, head_dim=hd, page_size=ps, kv_cache_dtype=kv)
                     _short_scenario(
-                        _two_layers(cfg), make, make_ref, f"{dtype_name(dtype)}, head_dim {hd}, page_size {ps}"
+                        _two_layers(cfg), make, make_ref, f"{dtype_name(dtype)}{cache}, head_dim {hd}, page_size {ps}"
                     )
     else:
         run_long_context(cfg, make)

@@ -7,6 +7,12 @@ checked: a frozen ``Capabilities`` with fields of the right types (``to_json()``
 ``ATTNPLUG_DISABLE_PDL=1``; and the declared ``graphs`` level really captures: every mode it
 covers is captured and replayed by ``attnplug.GraphRunner``. (Declared dtypes, head dims and
 page sizes are exercised by check_attention_matches_reference.)
+
+FP8 KV caches (``Capabilities.fp8_kv_dtypes``): the field is a tuple of FP8 dtypes
+(``attnplug.memory.fp8.FP8_KV_DTYPES``); ``kv_cache_dtypes`` builds the backend over a pool of
+each FP8 dtype: a declared one must construct (and its instance still declare it), an
+undeclared one must be refused with ``BackendConfigError`` naming the dtype, leaving the pool
+as it was. The other aspects also run over each declared FP8 cache (``...-kv_fp8_e4m3``).
 """
 
 from __future__ import annotations
@@ -17,14 +23,19 @@ import json
 import pytest
 import torch
 
-from attnplug import Capabilities, GraphSupport
+from attnplug import BackendConfigError, Capabilities, GraphSupport, ReqToTokenPool, SWAKVPool
+from attnplug.memory.fp8 import FP8_KV_DTYPES
 from attnplug_conformance.support import (
     CAPABILITIES,
     DISABLE_PDL_ENV,
     PREFIX,
     base_config,
+    changed_rows,
     conformance_check,
+    dtype_name,
+    fp8_model_dtype,
     graph_modes,
+    kv_axis,
     new_tokens_of,
     require,
 )
@@ -67,19 +78,105 @@ def _types(caps) -> None:
             )
         if kind is int and any(v < 1 for v in value):
             pytest.fail(f"{CAPABILITIES}: capabilities().{name} must hold positive ints, got {value!r}")
+    fp8 = caps.fp8_kv_dtypes
+    if not isinstance(fp8, tuple) or not all(isinstance(d, torch.dtype) and d in FP8_KV_DTYPES for d in fp8):
+        pytest.fail(
+            f"{CAPABILITIES}: capabilities().fp8_kv_dtypes must be a tuple of FP8 dtypes "
+            f"({', '.join(dtype_name(d) for d in FP8_KV_DTYPES)}), got {fp8!r}"
+        )
+    if len(set(fp8)) != len(fp8):
+        pytest.fail(f"{CAPABILITIES}: capabilities().fp8_kv_dtypes lists a dtype twice: {fp8!r}")
     try:
         json.dumps(caps.to_json())
     except Exception as exc:
         pytest.fail(f"{CAPABILITIES}: capabilities().to_json() is not JSON-serialisable: {type(exc).__name__}: {exc}")
 
 
+def _kv_cache_dtypes(caps, cfg, backend_cls, device) -> None:
+    """Every FP8 dtype: a declared one constructs, an undeclared one is refused (pools untouched;
+    nothing to refuse where the device cannot hold such a pool, which a declared dtype must)."""
+    spec = cfg.spec()
+    for kv in FP8_KV_DTYPES:
+        try:
+            pool = SWAKVPool(
+                spec.size,
+                spec.size_swa,
+                spec.num_layers,
+                spec.swa_layers(),
+                spec.num_kv_heads,
+                spec.head_dim,
+                kv,
+                device,
+                page_size=spec.page_size,
+            )
+        except (RuntimeError, TypeError) as exc:  # the device holds no such tensor
+            if kv in caps.fp8_kv_dtypes:
+                pytest.fail(
+                    f"{CAPABILITIES}: capabilities().fp8_kv_dtypes declares {dtype_name(kv)} but a {dtype_name(kv)} "
+                    f"KV pool cannot be built on {device}: {type(exc).__name__}: {exc}"
+                )
+            continue  # undeclared, and no such pool exists here: nothing to refuse
+        rows = ReqToTokenPool(spec.max_reqs, spec.max_context_len, pool.device)
+        before = [b.clone() for layer in range(spec.num_layers) for b in pool.get_kv_buffer(layer)]
+        scales = (pool.k_scale.clone(), pool.v_scale.clone(), pool.full_to_swa_index_mapping.clone())
+        what = f"a {dtype_name(kv)} KV pool"
+        try:
+            backend = backend_cls(pool, rows, num_heads=spec.num_heads, sliding_window=spec.sliding_window)
+        except BackendConfigError as exc:
+            if kv in caps.fp8_kv_dtypes:
+                pytest.fail(
+                    f"{CAPABILITIES}: capabilities().fp8_kv_dtypes declares {dtype_name(kv)} but the constructor "
+                    f"refused {what}: {exc}"
+                )
+            if dtype_name(kv) not in str(exc):
+                pytest.fail(f"{CAPABILITIES}: the BackendConfigError refusing {what} does not name its dtype: {exc}")
+        except Exception as exc:
+            pytest.fail(
+                f"{CAPABILITIES}: constructing the backend over {what} raised {type(exc).__name__}: {exc}; "
+                + (
+                    "the dtype is declared: it must construct"
+                    if kv in caps.fp8_kv_dtypes
+                    else "an undeclared FP8 dtype is refused with BackendConfigError naming it"
+                )
+            )
+        else:
+            if kv not in caps.fp8_kv_dtypes:
+                pytest.fail(
+                    f"{CAPABILITIES}: capabilities().fp8_kv_dtypes does not declare {dtype_name(kv)} but the backend "
+                    f"accepted {what} (the constructor must raise BackendConfigError naming the dtype, as "
+                    "AttentionBackend.__init__ does)"
+                )
+            got = backend.capabilities().fp8_kv_dtypes
+            if kv not in got:
+                pytest.fail(
+                    f"{CAPABILITIES}: a backend built over {what} reports capabilities().fp8_kv_dtypes={got!r}, "
+                    f"without the dtype it serves"
+                )
+            continue
+        backend_cls.synchronize(pool.device)
+        after = [b for layer in range(spec.num_layers) for b in pool.get_kv_buffer(layer)]
+        if any(changed_rows(a, b).numel() for a, b in zip(before, after)):
+            pytest.fail(f"{CAPABILITIES}: refusing {what}, the constructor wrote into its KV buffers")
+        now = (pool.k_scale, pool.v_scale, pool.full_to_swa_index_mapping)
+        if not all(torch.equal(a, b) for a, b in zip(scales, now)):
+            pytest.fail(f"{CAPABILITIES}: refusing {what}, the constructor changed its scales or full -> SWA mapping")
+
+
+_ASPECTS = ["types", "flags", "pdl_env", "kv_cache_dtypes", "graph_level"]
+
+
 @conformance_check(rule=CAPABILITIES)
-@pytest.mark.parametrize("aspect", ["types", "flags", "pdl_env", "graph_level"])
-def check_capabilities_honest(aspect, attnplug_capabilities, attnplug_world):
+@pytest.mark.parametrize(*kv_axis("aspect", _ASPECTS, _ASPECTS, fp8=lambda aspect: aspect != "kv_cache_dtypes"))
+def check_capabilities_honest(
+    aspect, kv_cache_dtype, attnplug_capabilities, attnplug_world, attnplug_backend_cls, attnplug_device
+):
     """One aspect of the declaration per test."""
     caps = attnplug_capabilities
-    cfg = base_config(caps)
-    if aspect == "types":
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
+    if aspect == "kv_cache_dtypes":
+        cfg = base_config(caps, dtype=fp8_model_dtype(caps.dtypes))
+        _kv_cache_dtypes(caps, cfg, attnplug_backend_cls, attnplug_device)
+    elif aspect == "types":
         world = attnplug_world(cfg.spec(), 91)
         got = world.backend.capabilities()
         _types(got)

@@ -9,6 +9,10 @@ nothing else. With ``save_kv_cache=False`` (the engine stored the step's KV itse
 writes nothing at all. The worlds' SWA free lists are scrambled (SWA slots differ from full
 slots). Twin-world comparisons in the other checks repeat the same integrity check in every
 configuration they run (every declared dtype, head dim and page size).
+
+Over each declared FP8 cache (``...-kv_fp8_e4m3``) the step's rows must hold the step's k/v
+quantised by the one rule (``attnplug.memory.fp8``: the pool's ``quantize`` with its per-head
+scales) byte for byte; the free rows hold FP8 noise.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from attnplug_conformance.support import (
     base_config,
     changed_rows,
     conformance_check,
+    dtype_name,
+    kv_axis,
+    kv_bits,
     layer_kind,
     new_tokens_of,
     poison_free_rows,
@@ -49,18 +56,18 @@ _N = 3
 
 
 @conformance_check(rule=KV_SLOTS)
-@pytest.mark.parametrize("path,mode", CASES, ids=[f"{p}-{m.name}" for p, m in CASES])
-def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnplug_world):
-    """Only the step's rows change, and they hold the step's k/v."""
+@pytest.mark.parametrize(*kv_axis("path,mode", CASES, [f"{p}-{m.name}" for p, m in CASES]))
+def check_kv_written_only_at_step_slots(path, mode, kv_cache_dtype, attnplug_capabilities, attnplug_world):
+    """Only the step's rows change, and they hold the step's k/v (quantised in an FP8 cache)."""
     caps = attnplug_capabilities
     if path.startswith("replay"):
         require_graph_mode(caps, mode)
     if path == "eager_paged":
         paged = sorted(p for p in caps.page_sizes if p > 1)
         require(bool(paged), "capabilities().page_sizes declares no page size > 1")
-        cfg = base_config(caps, page_size=paged[0])
+        cfg = base_config(caps, page_size=paged[0], kv_cache_dtype=kv_cache_dtype)
     else:
-        cfg = base_config(caps)
+        cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     world = attnplug_world(cfg.spec(), 51)
     pool = world.pool
     reqs = world.prefill(PREFIX[:_N], backend=world.reference_backend)
@@ -109,11 +116,13 @@ def check_kv_written_only_at_step_slots(path, mode, attnplug_capabilities, attnp
                 f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) wrote slots {show_rows(outside)} "
                 f"outside the step's slots {show_rows(slots)}{sink}"
             )
-        for name, buf, given in (("k", kb, step.inputs["k"][:, layer]), ("v", vb, step.inputs["v"][:, layer])):
-            wrong = torch.nonzero((buf[slots] != given).flatten(1).any(1)).flatten().cpu()
+        stored = pool.quantize(layer, step.inputs["k"][:, layer], step.inputs["v"][:, layer])  # as given, or FP8
+        for name, buf, given in (("k", kb, stored[0]), ("v", vb, stored[1])):
+            wrong = torch.nonzero((kv_bits(buf)[slots] != kv_bits(given)).flatten(1).any(1)).flatten().cpu()
             if wrong.numel():
+                rule = f" quantised by the rule ({dtype_name(pool.dtype)}, the layer's scales)" if pool.is_fp8 else ""
                 pytest.fail(
                     f"{KV_SLOTS}: {where}: layer {layer} ({layer_kind(world, layer)}) did not store the step's "
-                    f"{name} at its slots: tokens {show_rows(wrong)} (slots {show_rows(slots.cpu()[wrong])}) hold "
-                    "other values"
+                    f"{name}{rule} at its slots: tokens {show_rows(wrong)} (slots {show_rows(slots.cpu()[wrong])}) "
+                    "hold other values"
                 )

@@ -23,6 +23,12 @@ Both need the pools' memory on the device (8,690,999,812 bytes for the reference
 float16, head dim 16, page size 128): each is skipped, naming the bytes needed and free, unless
 they take at most 60 % of the free memory, and skipped when allocating them runs out of memory.
 Either way the pools are released before the check returns, a failure included.
+
+Both also run over each declared FP8 cache (``...-kv_fp8_e4m3``): the same element count at one
+byte an element (4,379,058,692 bytes for the reference backend), the stored rows compared byte
+for byte with the step's k/v quantised by the rule, the outputs with float64 attention over the
+dequantised cache. A kernel's FP8 path loads and stores through offsets of its own (bytes, a
+reinterpreted pointer), so its 32-bit wrap is a bug of its own.
 """
 
 from __future__ import annotations
@@ -48,7 +54,15 @@ from attnplug_conformance.scale import (
     require_memory,
     scale_layout,
 )
-from attnplug_conformance.support import conformance_check, layer_kind, require
+from attnplug_conformance.support import (
+    base_config,
+    conformance_check,
+    kv_axis,
+    kv_bits,
+    layer_kind,
+    require,
+    same_bits,
+)
 
 __all__ = ["check_large_kv_buffers", "CASES"]
 
@@ -60,8 +74,6 @@ class Case:
 
 
 CASES = [Case("past_2_31", "past_2_31"), Case("undeclared_refused", "undeclared_refused")]
-#: an integer dtype of each element size: a buffer's bits, compared with zero without a copy
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _slots_past(step, layout: ScaleLayout) -> str:
@@ -79,15 +91,16 @@ def _slots_past(step, layout: ScaleLayout) -> str:
 
 def _compare_rows(world, step, what: str) -> None:
     """The rows the step stored hold its k/v bit for bit (full layers at ``out_cache_loc``, SWA
-    layers at its translation)."""
+    layers at its translation; an FP8 cache: quantised by the rule)."""
     loc = step.batch.out_cache_loc
     for layer in range(world.spec.num_layers):
         swa = world.pool.is_swa_layer(layer)
         rows = world.pool.translate_loc_from_full_to_swa(loc).long() if swa else loc.long()
-        for name, buf in zip("kv", world.pool.get_kv_buffer(layer)):
-            got = buf[rows].cpu()
-            want = step.inputs[name][:, layer].cpu()
-            if not torch.equal(got, want):
+        stored = world.pool.quantize(layer, step.inputs["k"][:, layer], step.inputs["v"][:, layer])
+        for name, buf, given in zip("kv", world.pool.get_kv_buffer(layer), stored):
+            got = kv_bits(buf)[rows].cpu()
+            want = kv_bits(given).cpu()
+            if not same_bits(got, want):
                 t = int((got != want).flatten(1).any(1).nonzero()[0])
                 pytest.fail(
                     f"{SCALE}: {what}: layer {layer} ({layer_kind(world, layer)}): the {name} row stored for "
@@ -96,13 +109,13 @@ def _compare_rows(world, step, what: str) -> None:
                 )
 
 
-def _past_2_31(caps, make_world, device) -> None:
+def _past_2_31(caps, make_world, device, kv_cache_dtype) -> None:
     require(
         caps.large_kv_buffers,
         "capabilities().large_kv_buffers is False: layer buffers past 2**31 - 1 elements are not claimed "
         "(undeclared_refused checks that they are refused)",
     )
-    layout = scale_layout(caps)  # its dtypes all have a float64 bound (exact.LONG_TOL)
+    layout = scale_layout(caps, kv_cache_dtype)  # its dtypes all have a float64 bound (exact.LONG_TOL)
     spec = layout.spec
     require_memory(layout, device)
     world = None
@@ -137,12 +150,12 @@ def _numbers(text: str) -> set:
     return {int(re.sub(r"[,_]", "", m)) for m in re.findall(r"\d[\d,_]*\d|\d", text)}
 
 
-def _undeclared_refused(caps, backend_cls, device) -> None:
+def _undeclared_refused(caps, backend_cls, device, kv_cache_dtype) -> None:
     require(
         not caps.large_kv_buffers,
         "capabilities().large_kv_buffers is True: nothing to refuse (past_2_31 runs a buffer past 2**31 elements)",
     )
-    layout = scale_layout(caps)
+    layout = scale_layout(caps, kv_cache_dtype)
     spec = layout.spec
     require_memory(layout, device)
     pool = None
@@ -175,7 +188,7 @@ def _undeclared_refused(caps, backend_cls, device) -> None:
         backend_cls.synchronize(pool.device)
         for layer in range(spec.num_layers):
             for name, buf in zip("kv", pool.get_kv_buffer(layer)):
-                written = int(torch.count_nonzero(buf.view(_BITS[buf.element_size()])))  # no copy of the buffer
+                written = int(torch.count_nonzero(kv_bits(buf)))  # no copy of the buffer
                 if written:
                     pytest.fail(
                         f"{SCALE}: refusing {what}, the constructor wrote {written} elements of layer {layer}'s "
@@ -191,10 +204,15 @@ def _undeclared_refused(caps, backend_cls, device) -> None:
 
 
 @conformance_check(rule=SCALE)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def check_large_kv_buffers(case, attnplug_capabilities, attnplug_world, attnplug_backend_cls, attnplug_device):
+@pytest.mark.parametrize(*kv_axis("case", CASES, [c.id for c in CASES]))
+def check_large_kv_buffers(
+    case, kv_cache_dtype, attnplug_capabilities, attnplug_world, attnplug_backend_cls, attnplug_device
+):
     """A buffer past 2**31 elements attended correctly where declared, refused where not."""
+    caps = attnplug_capabilities
+    if kv_cache_dtype is not None:
+        base_config(caps, kv_cache_dtype=kv_cache_dtype)  # skips, naming fp8_kv_dtypes, where undeclared
     if case.kind == "past_2_31":
-        _past_2_31(attnplug_capabilities, attnplug_world, attnplug_device)
+        _past_2_31(caps, attnplug_world, attnplug_device, kv_cache_dtype)
     else:
-        _undeclared_refused(attnplug_capabilities, attnplug_backend_cls, attnplug_device)
+        _undeclared_refused(caps, attnplug_backend_cls, attnplug_device, kv_cache_dtype)

@@ -17,6 +17,15 @@ attention computed in float64 from the k/v each request was given
 * ``store_kv`` writes the mapped slots exactly and leaves every other slot bit for bit;
 * bad arguments (a query of another dtype, a cache of another shape, a wrong block size
   type) raise ``OpsInputError`` and write nothing.
+
+FP8 caches (``...-kv_fp8_e4m3``, where the ops list the dtype in ``fp8_kv_dtypes``): every case
+again over FP8 caches under a half-precision model dtype, with ``k_scale`` / ``v_scale`` as
+engines pass them: one float32 value per layer (a 0-dim tensor, vLLM's ``layer._k_scale``) for
+separate caches, one per KV head (``[Hkv]``) for the interleaved ones; values from
+``harness.fp8_scales`` (part of the heads saturating). ``store_kv`` must write each mapped slot's
+k/v quantised by the one rule (``attnplug.memory.fp8``) byte for byte; the oracle attends over
+the dequantised values. ``bad_arguments`` adds an FP8 cache without scales, a float64 scale, a
+scale of 3 elements and a query of an undeclared dtype.
 """
 
 from __future__ import annotations
@@ -27,10 +36,22 @@ from typing import List, Optional
 import pytest
 import torch
 
+from attnplug.memory.fp8 import dequantize_kv, quantize_kv
 from attnplug.ops import OpsInputError
 from attnplug.oracle import exact_attention
 from attnplug_conformance.exact import LONG_TOL
-from attnplug_conformance.support import OPS, base_config, conformance_check, dtype_name, require
+from attnplug_conformance.harness import fp8_scales
+from attnplug_conformance.support import (
+    OPS,
+    base_config,
+    conformance_check,
+    dtype_name,
+    fp8_model_dtype,
+    kv_axis,
+    kv_bits,
+    require,
+    same_bits,
+)
 
 __all__ = ["check_paged_ops", "CASES"]
 
@@ -62,19 +83,34 @@ NUM_HEADS, NUM_KV_HEADS = 8, 2
 
 class _Engine:
     """An engine that owns its paged caches: block allocation, slot mappings, each request's
-    k/v history in float64 (the oracle's input)."""
+    k/v history in float64 (the oracle's input: what the cache holds). ``dtype``: the model's
+    (q, k, v); ``kv_cache_dtype``: the caches' (None: ``dtype``; an FP8 dtype: k / v quantised
+    with the engine's scales, ``scale_kwargs``)."""
 
-    def __init__(self, ops, case: Case, dtype, head_dim: int, device, seed: int) -> None:
+    def __init__(self, ops, case: Case, dtype, head_dim: int, device, seed: int, kv_cache_dtype=None) -> None:
         self.ops, self.case, self.dtype, self.D, self.device = ops, case, dtype, head_dim, device
         self.P = case.block_size
         self.gen = torch.Generator().manual_seed(seed)
         self.num_blocks = (640 // self.P) + 8
+        self.cache_dtype = kv_cache_dtype or dtype
+        #: ``k_scale`` / ``v_scale`` as store_kv and attend take them ({} for an unquantised cache)
+        self.scale_kwargs = {}
+        #: per head, float32 host ``[Hkv]``: the scales the caches' bytes mean (FP8)
+        self.head_scales = None
+        if kv_cache_dtype is not None:  # its own generator: the inputs stay those of the unquantised case
+            k_s, v_s = fp8_scales(kv_cache_dtype, NUM_KV_HEADS, 0, torch.Generator().manual_seed(seed + 1))
+            # interleaved caches: one scale a KV head ([Hkv]); separate ones: one a layer (a 0-dim
+            # tensor, as vLLM's layer._k_scale), head 0's
+            given = (k_s, v_s) if case.interleaved else (k_s[0], v_s[0])
+            self.head_scales = tuple(t.float().expand(NUM_KV_HEADS) for t in given)
+            self.scale_kwargs = {name: t.to(device, torch.float32) for name, t in zip(("k_scale", "v_scale"), given)}
         shape = (self.num_blocks, self.P, NUM_KV_HEADS)
+        nan = dict(dtype=self.cache_dtype, device=device)
         if case.interleaved:
-            self.kv = torch.full((*shape, 2 * head_dim), float("nan"), dtype=dtype, device=device)
+            self.kv = torch.full((*shape, 2 * head_dim), float("nan"), **nan)
             self.k_cache, self.v_cache = self.kv[..., :head_dim], self.kv[..., head_dim:]
         else:
-            self.k_cache = torch.full((*shape, head_dim), float("nan"), dtype=dtype, device=device)
+            self.k_cache = torch.full((*shape, head_dim), float("nan"), **nan)
             self.v_cache = torch.full_like(self.k_cache, float("nan"))
         free = (torch.randperm(self.num_blocks - 1, generator=self.gen) + 1).tolist()  # never block 0
         self.free: List[int] = free
@@ -96,6 +132,19 @@ class _Engine:
 
     def rand(self, *shape) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.dtype)
+
+    def stored(self, rows: torch.Tensor, part: int) -> torch.Tensor:
+        """What the cache stores for ``rows`` ``[n, Hkv, D]`` (host; ``part`` 0: keys, 1:
+        values): as given, or quantised by the rule with the head's scale."""
+        if self.head_scales is None:
+            return rows.to(self.cache_dtype)
+        return quantize_kv(rows, self.head_scales[part], self.cache_dtype)
+
+    def held(self, rows: torch.Tensor, part: int) -> torch.Tensor:
+        """What the cache holds for ``rows`` in float64 (host): the oracle's keys or values."""
+        if self.head_scales is None:
+            return rows.double()
+        return dequantize_kv(self.stored(rows, part), self.head_scales[part], torch.float64)
 
     def step(self, reqs: List[int], new: List[int], sinks=None, scale: float = 0.125):
         """Store and attend one step: request ``reqs[i]`` gets ``new[i]`` tokens."""
@@ -119,7 +168,9 @@ class _Engine:
         qsl = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
         dev = self.device
         before = self._snapshot()
-        self.ops.store_kv(k_in.to(dev), v_in.to(dev), self.k_cache, self.v_cache, slot_mapping.to(dev))
+        self.ops.store_kv(
+            k_in.to(dev), v_in.to(dev), self.k_cache, self.v_cache, slot_mapping.to(dev), **self.scale_kwargs
+        )
         self._check_store(before, slot_mapping[:T], k, v)
         step = self.ops.plan(
             qsl.to(dev),
@@ -139,10 +190,11 @@ class _Engine:
             window=self.case.window,
             softcap=self.case.softcap,
             sinks=None if sinks is None else sinks.to(dev),
+            **self.scale_kwargs,
         )
         for (r, n), lo in zip(zip(reqs, new), qsl[:-1].tolist()):
-            self.hist_k[r] = torch.cat([self.hist_k[r], k[lo : lo + n].double()])
-            self.hist_v[r] = torch.cat([self.hist_v[r], v[lo : lo + n].double()])
+            self.hist_k[r] = torch.cat([self.hist_k[r], self.held(k[lo : lo + n], 0)])
+            self.hist_v[r] = torch.cat([self.hist_v[r], self.held(v[lo : lo + n], 1)])
         keys = torch.zeros(len(reqs), max(seq), NUM_KV_HEADS, self.D, dtype=torch.float64)
         values = keys.clone()
         for i, r in enumerate(reqs):
@@ -165,15 +217,17 @@ class _Engine:
 
     def _check_store(self, before, slots: torch.Tensor, k, v) -> None:
         after = self._snapshot()
-        for name, old, new, rows in (("key", before[0], after[0], k), ("value", before[1], after[1], v)):
-            old, new = old.flatten(0, 1), new.flatten(0, 1)
+        pairs = (("key", before[0], after[0], k), ("value", before[1], after[1], v))
+        for part, (name, old, new, rows) in enumerate(pairs):
+            old, new = kv_bits(old.flatten(0, 1)), kv_bits(new.flatten(0, 1))
             stored = torch.zeros(old.shape[0], dtype=torch.bool)
             stored[slots] = True
-            if not torch.equal(new[slots], rows.to(new.dtype)):
-                pytest.fail(f"{OPS}: store_kv did not write the {name}s at their slots exactly")
-            same = (old[~stored] == new[~stored]) | (old[~stored].isnan() & new[~stored].isnan())
+            if not same_bits(new[slots], kv_bits(self.stored(rows, part))):
+                rule = "" if self.head_scales is None else f" quantised by the rule ({dtype_name(self.cache_dtype)})"
+                pytest.fail(f"{OPS}: store_kv did not write the {name}s{rule} at their slots exactly")
+            same = (old[~stored] == new[~stored]).flatten(1).all(1)
             if not bool(same.all()):
-                bad = int((~stored).nonzero()[(~same).flatten(1).any(1).nonzero()[0]][0])
+                bad = int((~stored).nonzero()[(~same).nonzero()[0]][0])
                 pytest.fail(f"{OPS}: store_kv changed {name} slot {bad}, which the slot mapping does not name")
 
 
@@ -201,6 +255,16 @@ def _refused(what: str, call) -> None:
     pytest.fail(f"{OPS}: {what} was accepted (expected OpsInputError naming the argument)")
 
 
+def _other_dtype(engine: _Engine):
+    """A q / k dtype the ops must refuse over ``engine``'s caches: another dtype than an
+    unquantised cache's; over an FP8 cache one the ops do not declare (None when they declare
+    every candidate)."""
+    if engine.head_scales is None:
+        return torch.float32 if engine.dtype != torch.float32 else torch.float16
+    candidates = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    return next((d for d in candidates if d not in tuple(engine.ops.dtypes)), None)
+
+
 def _bad_arguments(engine: _Engine) -> None:
     """Each bad call raises OpsInputError and leaves the caches as they were."""
     dev, D = engine.device, engine.D
@@ -208,11 +272,15 @@ def _bad_arguments(engine: _Engine) -> None:
     k = engine.rand(4, NUM_KV_HEADS, D).to(dev)
     slots = torch.tensor([engine._slot(r, i) for i in range(4)], device=dev)
     before = engine._snapshot()
-    other = torch.float32 if engine.dtype != torch.float32 else torch.float16
+    other = _other_dtype(engine)
+    scales = engine.scale_kwargs
+
+    def store(key, value, slot_mapping, **kw):
+        return engine.ops.store_kv(key, value, *engine_caches(engine), slot_mapping, **{**scales, **kw})
+
     bad_calls = {
-        "a key of another dtype": lambda: engine.ops.store_kv(k.to(other), k.to(other), *engine_caches(engine), slots),
-        "a key of another head count": lambda: engine.ops.store_kv(k[:, :1], k[:, :1], *engine_caches(engine), slots),
-        "a float slot mapping": lambda: engine.ops.store_kv(k, k, *engine_caches(engine), slots.float()),
+        "a key of another head count": lambda: store(k[:, :1], k[:, :1], slots),
+        "a float slot mapping": lambda: store(k, k, slots.float()),
         "a block size that is not an int": lambda: engine.ops.plan(
             torch.tensor([0, 4], dtype=torch.int32, device=dev),
             torch.tensor([4], dtype=torch.int32, device=dev),
@@ -223,11 +291,23 @@ def _bad_arguments(engine: _Engine) -> None:
             max_seq_len=4,
         ),
     }
+    if other is not None:
+        bad_calls[f"a key of another dtype ({dtype_name(other)})"] = lambda: store(k.to(other), k.to(other), slots)
+    if scales:  # an FP8 cache: the scales are required, float32, 1 or Hkv elements
+        bad_calls.update(
+            {
+                "an FP8 cache without scales": lambda: engine.ops.store_kv(k, k, *engine_caches(engine), slots),
+                "a float64 k_scale": lambda: store(k, k, slots, k_scale=scales["k_scale"].double()),
+                "a v_scale of 3 elements": lambda: store(
+                    k, k, slots, v_scale=torch.ones(3, dtype=torch.float32, device=dev)
+                ),
+            }
+        )
     for what, call in bad_calls.items():
         _refused(what, call)
         after = engine._snapshot()
         for old, new in zip(before, after):
-            if not bool(((old == new) | (old.isnan() & new.isnan())).all()):
+            if not same_bits(old, new):
                 pytest.fail(f"{OPS}: a refused call ({what}) wrote into the cache")
     step = engine.ops.plan(
         torch.tensor([0, 4], dtype=torch.int32, device=dev),
@@ -239,14 +319,22 @@ def _bad_arguments(engine: _Engine) -> None:
         max_seq_len=4,
     )
     q = engine.rand(4, NUM_HEADS, D).to(dev)
-    for what, call in {
-        "a query of another dtype": lambda: engine.ops.attend(q.to(other), *engine_caches(engine), step, scale=0.1),
-        "a query with too many rows": lambda: engine.ops.attend(
-            torch.cat([q, q]), *engine_caches(engine), step, scale=0.1
-        ),
-        "a negative scale": lambda: engine.ops.attend(q, *engine_caches(engine), step, scale=-1.0),
-        "a window of 0": lambda: engine.ops.attend(q, *engine_caches(engine), step, scale=0.1, window=0),
-    }.items():
+
+    def attend(query, **kw):
+        return engine.ops.attend(query, *engine_caches(engine), step, **{**scales, "scale": 0.1, **kw})
+
+    bad_attends = {
+        "a query with too many rows": lambda: attend(torch.cat([q, q])),
+        "a negative scale": lambda: attend(q, scale=-1.0),
+        "a window of 0": lambda: attend(q, window=0),
+    }
+    if other is not None:
+        bad_attends[f"a query of another dtype ({dtype_name(other)})"] = lambda: attend(q.to(other))
+    if scales:
+        bad_attends["attention over an FP8 cache without scales"] = lambda: engine.ops.attend(
+            q, *engine_caches(engine), step, scale=0.1
+        )
+    for what, call in bad_attends.items():
         _refused(what, call)
 
 
@@ -254,9 +342,9 @@ def engine_caches(engine: _Engine):
     return engine.k_cache, engine.v_cache
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(*kv_axis("case", CASES, [c.id for c in CASES]))
 @conformance_check(rule=OPS)
-def check_paged_ops(attnplug_backend_cls, attnplug_capabilities, attnplug_device, case: Case):
+def check_paged_ops(attnplug_backend_cls, attnplug_capabilities, attnplug_device, case: Case, kv_cache_dtype):
     """An engine-like world over caller-owned caches through the backend's op layer."""
     caps = attnplug_capabilities
     if case.window is not None:
@@ -265,14 +353,23 @@ def check_paged_ops(attnplug_backend_cls, attnplug_capabilities, attnplug_device
         require(caps.logit_softcap, "capabilities().logit_softcap is False")
     if case.sinks:
         require(caps.attention_sinks, "capabilities().attention_sinks is False")
+    ops = attnplug_backend_cls.paged_ops(attnplug_device)
+    if kv_cache_dtype is not None:  # the op layer's own declaration decides (it may differ from the backend's)
+        served = tuple(getattr(ops, "fp8_kv_dtypes", ()))
+        require(
+            kv_cache_dtype in served,
+            f"{attnplug_backend_cls.__name__}.paged_ops().fp8_kv_dtypes does not declare {dtype_name(kv_cache_dtype)} "
+            f"(declared: {', '.join(dtype_name(d) for d in served) or 'nothing'})",
+        )
     if case.half:
         half = [d for d in (torch.bfloat16, torch.float16) if d in caps.dtypes]
         require(bool(half), "capabilities().dtypes declares no half dtype")
         cfg = base_config(caps, dtype=half[0])
+    elif kv_cache_dtype is not None:
+        cfg = base_config(caps, dtype=fp8_model_dtype(ops.dtypes))
     else:
         cfg = base_config(caps)
-    ops = attnplug_backend_cls.paged_ops(attnplug_device)
-    engine = _Engine(ops, case, cfg.dtype, cfg.head_dim, attnplug_device, seed=7)
+    engine = _Engine(ops, case, cfg.dtype, cfg.head_dim, attnplug_device, seed=7, kv_cache_dtype=kv_cache_dtype)
     if case.id == "bad_arguments":
         _bad_arguments(engine)
         return

@@ -5,13 +5,13 @@ compute: a kernel waits (``gdc_wait``) before reading anything its predecessor w
 backends, one built with PDL (as ``capabilities().pdl`` says) and one built with
 ``ATTNPLUG_DISABLE_PDL=1``, run the same steps eagerly and in graph replay; outputs and KV
 caches must be bit-identical. A missing wait shows up as a race: different values.
-Runs only for backends that declare ``pdl``.
+Runs only for backends that declare ``pdl``; also over each declared FP8 cache
+(``kv_fp8_e4m3``; ``kv_auto``: the model's dtype), whose bytes must be identical too.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from attnplug import ForwardMode
 from attnplug_conformance.support import (
@@ -20,23 +20,22 @@ from attnplug_conformance.support import (
     base_config,
     conformance_check,
     graph_modes,
+    kv_axis,
     new_tokens_of,
     require,
+    same_bits,
 )
 
 __all__ = ["check_pdl_on_off_identical"]
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a, b)
-
-
 @conformance_check(rule=RULE_3)
-def check_pdl_on_off_identical(attnplug_capabilities, attnplug_world):
+@pytest.mark.parametrize(*kv_axis())
+def check_pdl_on_off_identical(kv_cache_dtype, attnplug_capabilities, attnplug_world):
     """PDL on and off give bit-identical outputs and caches, eager and replayed."""
     caps = attnplug_capabilities
     require(caps.pdl, "capabilities().pdl is False: no PDL launches to compare")
-    cfg = base_config(caps)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     spec = cfg.spec()
     on = attnplug_world(spec, 81, env={DISABLE_PDL_ENV: None})
     off = attnplug_world(spec, 81, env={DISABLE_PDL_ENV: "1"})
@@ -51,7 +50,7 @@ def check_pdl_on_off_identical(attnplug_capabilities, attnplug_world):
     def compare(what: str, outs) -> None:
         for w in worlds:
             w.backend.synchronize(w.device)
-        if not _same(outs[0], outs[1]):
+        if not same_bits(outs[0], outs[1]):
             diff = (outs[0].double() - outs[1].double()).abs().max().item()
             pytest.fail(
                 f"{RULE_3}: {what}: outputs with PDL differ from outputs without (max |diff| {diff:.3g}); "
@@ -59,7 +58,7 @@ def check_pdl_on_off_identical(attnplug_capabilities, attnplug_world):
             )
         for layer in range(spec.num_layers):
             for name, a, b in zip("kv", on.pool.get_kv_buffer(layer), off.pool.get_kv_buffer(layer)):
-                if not _same(a, b):
+                if not same_bits(a, b):
                     pytest.fail(f"{RULE_3}: {what}: layer {layer} {name} cache differs between PDL on and off")
 
     steps = [

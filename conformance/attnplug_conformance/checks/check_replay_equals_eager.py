@@ -7,6 +7,7 @@ about one unit in the last place, and writes the same KV (slot 0, the padding si
 excepted). Cases: a batch that fills a bucket exactly, one padded up to the bucket, and one
 larger than the largest bucket (the runner's eager fallback, also compared with the
 reference). Two consecutive steps each, so state left by one replay is exercised by the next.
+Also over each declared FP8 cache (``...-kv_fp8_e4m3``): the replayed store writes the same bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from attnplug_conformance.support import (
     assert_caches_equal,
     base_config,
     conformance_check,
+    kv_axis,
+    kv_bits,
     new_tokens_of,
     require_graph_mode,
 )
@@ -34,12 +37,14 @@ CASES = [(m, k) for m in ForwardMode.uniform() for k in _SIZES]
 
 
 @conformance_check(rule=REPLAY)
-@pytest.mark.parametrize("mode,kind", CASES, ids=[f"{m.name}-{k}" for m, k in CASES])
-def check_replay_equals_eager(mode, kind, attnplug_capabilities, attnplug_world, attnplug_reference_world):
+@pytest.mark.parametrize(*kv_axis("mode,kind", CASES, [f"{m.name}-{k}" for m, k in CASES]))
+def check_replay_equals_eager(
+    mode, kind, kv_cache_dtype, attnplug_capabilities, attnplug_world, attnplug_reference_world
+):
     """Replayed outputs and KV equal eager ones (tight tolerance)."""
     caps = attnplug_capabilities
     require_graph_mode(caps, mode)
-    cfg = base_config(caps)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     spec = cfg.spec()
     world, ref = attnplug_world(spec, 41), attnplug_reference_world(spec, 41)
     n = _SIZES[kind]
@@ -69,7 +74,7 @@ def check_replay_equals_eager(mode, kind, attnplug_capabilities, attnplug_world,
         assert_attention_close(replayed, eager, world, what=what, rule=REPLAY, tol=tol)
         for layer, ((kr, vr), (ke, ve)) in enumerate(zip(after_replay, world.snapshot_kv())):
             for name, a, b in (("k", kr, ke), ("v", vr, ve)):
-                diff = (a[1:] != b[1:]).flatten(1).any(1).nonzero().flatten() + 1
+                diff = (kv_bits(a)[1:] != kv_bits(b)[1:]).flatten(1).any(1).nonzero().flatten() + 1
                 if diff.numel():
                     pytest.fail(
                         f"{REPLAY}: {what}: layer {layer} {name} cache differs at slots {diff.tolist()[:8]} "

@@ -10,6 +10,9 @@ under two guards at once:
   boolean-mask indexing, ``masked_select``, ``torch.tensor`` from Python data, ``.to(<host>)``
   and other host reads fail with the rule and the op;
 * ``backend.sync_guard()``: the device runtime's own strict guard where the plugin has one.
+
+Also over each declared FP8 cache (``...-kv_fp8_e4m3``): its scales are device tensors, never
+read on the host in replay.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from attnplug_conformance.support import (
     RULE_2,
     base_config,
     conformance_check,
+    kv_axis,
     new_tokens_of,
     require,
     require_graph_mode,
@@ -34,13 +38,13 @@ METHOD = "init_forward_metadata_replay_cuda_graph"
 
 
 @conformance_check(rule=RULE_2)
-@pytest.mark.parametrize("mode", ForwardMode.uniform(), ids=lambda m: m.name)
-def check_replay_metadata_sync_free(mode, attnplug_capabilities, attnplug_world):
+@pytest.mark.parametrize(*kv_axis("mode", ForwardMode.uniform(), [m.name for m in ForwardMode.uniform()]))
+def check_replay_metadata_sync_free(mode, kv_cache_dtype, attnplug_capabilities, attnplug_world):
     """Replay metadata makes no host read (suite detector + the device's sync guard)."""
     caps = attnplug_capabilities
     require(not caps.needs_cpu_seq_lens, "needs_cpu_seq_lens is True: replay metadata may use seq_lens_cpu")
     require_graph_mode(caps, mode)
-    cfg = base_config(caps)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     world = attnplug_world(cfg.spec(), 71)
     backend = world.backend
     reqs = world.prefill(PREFIX[:4], backend=world.reference_backend)

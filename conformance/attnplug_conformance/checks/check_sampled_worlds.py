@@ -19,6 +19,13 @@ The default run samples ``PROFILES["default"]`` worlds a dimension, ``--attnplug
 ``PROFILES["thorough"]``. Skipped when hypothesis is not installed (``pip install
 'attnplug[test]'``), saying so; the half-magnitude worlds use a declared half dtype (float32
 where none is declared), soft-cap and sinks only where declared.
+
+Every dimension is also sampled over each declared FP8 cache (``...-kv_fp8_e4m3``: the worlds'
+``kv_cache_dtype``, a half-precision model dtype), judged against float64 attention over the
+dequantised cache: FP8 bugs live where the dimensions meet the cache (a scale indexed by the
+wrong head in an odd head group, a byte offset at a page edge, NaN / ±max / ±Inf bytes in
+unowned rows, saturated keys under large logits), which one FP8 dimension of its own, mild in
+everything else, would not reach.
 """
 
 from __future__ import annotations
@@ -26,15 +33,15 @@ from __future__ import annotations
 import pytest
 
 from attnplug_conformance.rules import WORLDS
-from attnplug_conformance.support import base_config, conformance_check
+from attnplug_conformance.support import base_config, conformance_check, kv_axis
 from attnplug_conformance.worlds import DIMENSIONS
 
 __all__ = ["check_sampled_worlds"]
 
 
 @conformance_check(rule=WORLDS)
-@pytest.mark.parametrize("dimension", DIMENSIONS)
-def check_sampled_worlds(dimension, attnplug_capabilities, attnplug_world, attnplug_thorough):
+@pytest.mark.parametrize(*kv_axis("dimension", DIMENSIONS, DIMENSIONS))
+def check_sampled_worlds(dimension, kv_cache_dtype, attnplug_capabilities, attnplug_world, attnplug_thorough):
     """Every sampled world of ``dimension`` within ``LONG_TOL`` of float64 attention."""
     try:
         from attnplug_conformance.sampling import PROFILES, sample_worlds
@@ -42,4 +49,5 @@ def check_sampled_worlds(dimension, attnplug_capabilities, attnplug_world, attnp
         pytest.skip(f"sampled worlds need hypothesis ({exc}); pip install 'attnplug[test]'")
     caps = attnplug_capabilities
     examples = PROFILES["thorough" if attnplug_thorough else "default"]
-    sample_worlds(dimension, caps, base_config(caps), attnplug_world, examples=examples)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
+    sample_worlds(dimension, caps, cfg, attnplug_world, examples=examples)

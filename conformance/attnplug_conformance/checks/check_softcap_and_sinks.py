@@ -27,6 +27,9 @@ Cases, each skipped only when the backend declares it lacks a feature it uses
 * ``undeclared_refused``: where a backend declares a feature False it must refuse it — the
   constructor raises ``BackendConfigError`` for ``logit_softcap``, ``forward`` raises naming
   ``sinks`` and leaves the KV cache untouched — never ignore it silently.
+
+Every case also runs over each declared FP8 cache (``...-kv_fp8_e4m3``), judged against float64
+attention over the dequantised cache with the model dtype's bound.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ from attnplug_conformance.support import (
     conformance_check,
     dtype_name,
     graph_modes,
+    kv_axis,
     new_tokens_of,
     require,
+    same_bits,
 )
 
 __all__ = ["check_softcap_and_sinks", "CASES"]
@@ -189,16 +194,16 @@ def _undeclared_refused(cfg, make_world, caps) -> None:
             )
         world.backend.synchronize(world.device)
         for layer, ((k0, v0), (k1, v1)) in enumerate(zip(before, world.snapshot_kv())):
-            if not (torch.equal(k0, k1) and torch.equal(v0, v1)):
+            if not (same_bits(k0, k1) and same_bits(v0, v1)):
                 pytest.fail(f"{FEATURES}: forward refused sinks but wrote layer {layer}'s KV cache first")
 
 
 @conformance_check(rule=FEATURES)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def check_softcap_and_sinks(case, attnplug_capabilities, attnplug_world):
+@pytest.mark.parametrize(*kv_axis("case", CASES, [c.id for c in CASES]))
+def check_softcap_and_sinks(case, kv_cache_dtype, attnplug_capabilities, attnplug_world):
     """Soft-capped logits and sink logits against float64 attention, or refused when undeclared."""
     caps = attnplug_capabilities
-    cfg = base_config(caps)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     require(cfg.dtype in LONG_TOL, f"no float64 bound for {dtype_name(cfg.dtype)}")
     if case.kind == "undeclared_refused":
         _undeclared_refused(cfg, attnplug_world, caps)

@@ -5,7 +5,8 @@ In graph mode the step's translation lives in ONE buffer allocated by
 int32, length ``max_num_tokens``, on the pool's device. Each replay fills ``[:n]`` with
 ``translate(out_cache_loc)`` and zeroes ``[n:]`` (slot 0 is the padding sink), in place: the
 same storage across replays (captured graphs read it by address). The check runs a big batch
-and then a small one, so a tail left over from the big one is caught.
+and then a small one, so a tail left over from the big one is caught; also over each declared
+FP8 cache (``...-kv_fp8_e4m3``: a backend may keep other graph state for one).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from attnplug_conformance.support import (
     RULE_1,
     base_config,
     conformance_check,
+    kv_axis,
     new_tokens_of,
     require,
     require_graph_mode,
@@ -27,6 +29,7 @@ from attnplug_conformance.support import (
 __all__ = ["check_swa_buffer_contract"]
 
 NAME = "cuda_graph_swa_out_cache_loc"
+_MODES = [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY]
 
 
 def _similar(backend) -> str:
@@ -38,13 +41,13 @@ def _similar(backend) -> str:
 
 
 @conformance_check(rule=RULE_1)
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY], ids=lambda m: m.name)
-def check_swa_buffer_contract(mode, attnplug_capabilities, attnplug_world):
+@pytest.mark.parametrize(*kv_axis("mode", _MODES, [m.name for m in _MODES]))
+def check_swa_buffer_contract(mode, kv_cache_dtype, attnplug_capabilities, attnplug_world):
     """The buffer exists under its contract name, is static, and holds translate(loc) + zeros."""
     caps = attnplug_capabilities
     require(caps.graphs > GraphSupport.NEVER, "capabilities().graphs is NEVER: no graph state")
     require_graph_mode(caps, mode)
-    cfg = base_config(caps)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     world = attnplug_world(cfg.spec(), 31)
     backend = world.backend
     reqs = world.prefill(PREFIX[:4], backend=world.reference_backend)

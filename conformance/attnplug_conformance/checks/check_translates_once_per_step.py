@@ -16,6 +16,9 @@ graph replay:
   slots prove the translation happened in metadata. The output of the poisoned run is compared
   with the backend's own unpoisoned run of the same step (so a wrong window is reported by
   check_attention_matches_reference, not here).
+
+Also over each declared FP8 cache (``...-kv_fp8_e4m3``): the slots are compared byte for byte,
+the step's rows with its k/v quantised by the rule.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from attnplug_conformance.support import (
     assert_attention_close,
     base_config,
     conformance_check,
+    kv_axis,
+    kv_bits,
     new_tokens_of,
     require,
     require_graph_mode,
+    same_bits,
 )
 
 __all__ = ["check_translates_once_per_step"]
@@ -52,11 +58,11 @@ _N = 3  # requests; replay pads them to the bucket of 4
 
 
 @conformance_check(rule=RULE_1)
-@pytest.mark.parametrize("path,mode", CASES, ids=[f"{p}-{m.name}" for p, m in CASES])
-def check_translates_once_per_step(path, mode, attnplug_capabilities, attnplug_world):
+@pytest.mark.parametrize(*kv_axis("path,mode", CASES, [f"{p}-{m.name}" for p, m in CASES]))
+def check_translates_once_per_step(path, mode, kv_cache_dtype, attnplug_capabilities, attnplug_world):
     """Exactly one translation per step, in metadata; the layers use the hoisted slots."""
     caps = attnplug_capabilities
-    cfg = base_config(caps)
+    cfg = base_config(caps, kv_cache_dtype=kv_cache_dtype)
     require(cfg.sliding_window, "capabilities().sliding_window is False: no SWA layer, nothing to translate")
     if path == "replay":
         require_graph_mode(caps, mode)
@@ -125,15 +131,15 @@ def check_translates_once_per_step(path, mode, attnplug_capabilities, attnplug_w
     original, targets = poison.original, poison.targets
     for l in poison.swa_layers:
         kb, vb = world.pool.get_kv_buffer(l)
-        k_in, v_in = step.inputs["k"][:, l], step.inputs["v"][:, l]
+        k_in, v_in = world.pool.quantize(l, step.inputs["k"][:, l], step.inputs["v"][:, l])  # as stored
         pk, pv = poison.poison[l]
-        if not (torch.equal(kb[targets], pk) and torch.equal(vb[targets], pv)):
+        if not (same_bits(kv_bits(kb)[targets], kv_bits(pk)) and same_bits(kv_bits(vb)[targets], kv_bits(pv))):
             pytest.fail(
                 f"{RULE_1}: {where}: layer {l} (SWA) wrote the step's KV at SWA slots translated AFTER the "
                 f"metadata call (the full->SWA mapping of the new tokens was rewritten between metadata and "
                 f"the layers): the layer loop translates out_cache_loc itself ({total} counted translations)"
             )
-        if not (torch.equal(kb[original], k_in) and torch.equal(vb[original], v_in)):
+        if not (same_bits(kv_bits(kb)[original], kv_bits(k_in)) and same_bits(kv_bits(vb)[original], kv_bits(v_in))):
             pytest.fail(
                 f"{RULE_1}: {where}: layer {l} (SWA) did not store the step's KV at the SWA slots "
                 f"translate(out_cache_loc) = {original[:8].tolist()} computed in metadata"

@@ -50,8 +50,9 @@ from ..backend import AttentionBackend, Capabilities, GraphSupport
 from ..batch import ForwardBatch, ForwardMode
 from ..env import validation_enabled
 from ..graph_buffers import GraphBuffers
+from ..memory.fp8 import FP8_KV_DTYPES
 from ..ops.portable import NO_KEY as _NO_KEY
-from ..ops.portable import PortableOps, attend_gathered
+from ..ops.portable import PortableOps, attend_gathered, gather_rows, store_rows
 
 __all__ = ["PortableBackend"]
 
@@ -108,6 +109,7 @@ class PortableBackend(AttentionBackend):
     dtypes: ClassVar[Tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16, torch.float32)
     head_dims: ClassVar[Tuple[int, ...]] = (16, 32, 64, 80, 96, 128, 256)
     page_sizes: ClassVar[Tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
+    fp8_kv_dtypes: ClassVar[Tuple[torch.dtype, ...]] = FP8_KV_DTYPES
 
     def __init__(self, pool, req_to_token_pool, *, num_heads, sliding_window=None, scaling=None, logit_softcap=None):
         super().__init__(
@@ -139,13 +141,14 @@ class PortableBackend(AttentionBackend):
             logit_softcap=True,
             attention_sinks=True,
             large_kv_buffers=True,  # int64 slot tables, PyTorch indexing: 64-bit offsets in any buffer
+            fp8_kv_dtypes=tuple(cls.fp8_kv_dtypes),
         )
 
     @classmethod
     def paged_ops(cls, device) -> PortableOps:
         """The portable op layer (``attnplug.ops.PortableOps``): this class's attention math
         over caches an engine owns, on ``device``."""
-        return PortableOps(device, name=cls.name, dtypes=cls.dtypes)
+        return PortableOps(device, name=cls.name, dtypes=cls.dtypes, fp8_kv_dtypes=cls.fp8_kv_dtypes)
 
     @property
     def cuda_graph_swa_out_cache_loc(self) -> Optional[torch.Tensor]:
@@ -339,20 +342,19 @@ class PortableBackend(AttentionBackend):
             key_pos = torch.arange(slots.shape[1], device=q.device)[None, :]
         key_pos = torch.where(slots > 0, key_pos, _NO_KEY)  # slot 0 (sink / no slot): no key
         window = self.sliding_window if is_swa else None
-        return self._attend(q, k_cache[slots], v_cache[slots], key_pos, window, md, sinks=sinks)
+        k_scale, v_scale = self.pool.kv_scales(layer_id)
+        keys, values = gather_rows(k_cache, slots, k_scale), gather_rows(v_cache, slots, v_scale)
+        return self._attend(q, keys, values, key_pos, window, md, sinks=sinks)
 
     def _store_kv(self, layer_id: int, is_swa: bool, k, v, md: _StepMetadata) -> None:
-        """Store at the step's hoisted slots. A token whose slot is outside the pool (mapped
-        to 0 in metadata) writes the sink's own value back: nothing changes, nothing wraps."""
+        """Store at the step's hoisted slots (an FP8 pool: quantised with the layer's scales). A
+        token whose slot is outside the pool (mapped to 0 in metadata) writes the sink's own
+        value back: nothing changes, nothing wraps."""
         loc = md.swa_store_loc if is_swa else md.full_store_loc
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
-        keep = (loc != 0)[:, None, None]
-        k = torch.where(keep, k, k_cache[0])
-        v = torch.where(keep, v, v_cache[0])
-        if is_swa:
-            self.pool.set_kv_buffer(layer_id, md.full_store_loc, k, v, swa_loc=loc)
-        else:
-            self.pool.set_kv_buffer(layer_id, loc, k, v)
+        k_scale, v_scale = self.pool.kv_scales(layer_id)
+        store_rows(k_cache, loc, k, k_scale)
+        store_rows(v_cache, loc, v, v_scale)
 
     def _attend(self, q, keys, values, key_pos, window, md: _StepMetadata, *, sinks=None) -> torch.Tensor:
         """q [T, H, D]; keys/values [bs, K, Hkv, D]; key_pos [bs or 1, K] positions; sinks

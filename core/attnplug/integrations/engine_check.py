@@ -32,6 +32,7 @@ __all__ = [
     "prompts",
     "save_model",
     "transformers_tokens",
+    "engine_tokens",
     "Row",
     "check_row",
     "table",
@@ -117,6 +118,31 @@ def transformers_tokens(path: str, token_prompts: Sequence[Sequence[int]], max_n
                 ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
             out.append(new)
     return out
+
+
+def engine_tokens(
+    path: str, token_prompts: Sequence[Sequence[int]], max_new_tokens: int, kv_cache_dtype: str
+) -> List[List[int]]:
+    """Greedy tokens of the saved model through attnplug's own ``Engine`` on the reference
+    backend, float32 on the host, over a KV cache of ``kv_cache_dtype`` (an engine's name:
+    ``"fp8"``, ``"fp8_e5m2"``, ...) with every scale 1.0, what an engine uses without
+    calibrated scales: the reference of an engine run over an FP8 cache (transformers' tokens
+    are those of the unquantised cache)."""
+    import transformers
+
+    from .transformers import Engine
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    longest = max(len(p) for p in token_prompts) + max_new_tokens
+    engine = Engine(
+        model,
+        "reference",
+        max_batch_size=len(token_prompts),
+        max_context_len=longest,
+        progress=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    return engine.generate([list(p) for p in token_prompts], max_new_tokens)
 
 
 @dataclass

@@ -21,8 +21,12 @@ Slot values (both pools; ``P = page_size``, ``S`` = ``size`` or ``size_swa``):
   redirects it to the sink, so no device op ever indexes outside a pool. Set
   ``ATTNPLUG_VALIDATE=1`` to have batches checked (with a host read) before they get here.
 
-The KV dtype is a floating type the backends can serve: float16, bfloat16, float32 or
-float64 (integer, bool, complex and float8 pools are refused).
+The KV dtype (``dtype``, what the buffers store) is float16, bfloat16, float32 or float64, or
+an FP8 dtype (``float8_e4m3fn``, ``float8_e5m2``: ``attnplug.memory.fp8``). An FP8 pool keeps a
+float32 scale per layer and KV head for K and for V (``k_scale`` / ``v_scale``, 1.0 until
+``set_kv_scales``) and quantises what it is given (any floating k/v) by the one rule of
+``fp8.quantize_kv``: saturating, round to nearest even. Integer, bool and complex pools are
+refused.
 
 This class owns the tensors only; ``SWATokenAllocator`` decides which slots are live.
 Nothing here reads device values on the host.
@@ -36,11 +40,14 @@ import torch
 
 from .args import first, host_int, index_dtype_problem
 from .errors import KVSlotError
+from .fp8 import FP8_KV_DTYPES, host_scales, is_fp8, quantize_kv
 
-__all__ = ["SWAKVPool", "KV_DTYPES"]
+__all__ = ["SWAKVPool", "KV_DTYPES", "MODEL_DTYPES"]
 
-#: the KV dtypes a pool accepts (the backends' attention and store paths serve these)
-KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: the dtypes of the k / v a pool is given (an unquantised pool stores them as they are)
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: the KV dtypes a pool accepts (a backend serves those its capabilities declare)
+KV_DTYPES = MODEL_DTYPES + FP8_KV_DTYPES
 
 
 def _values_on_host(t: torch.Tensor) -> bool:
@@ -56,7 +63,10 @@ class SWAKVPool:
     * ``size`` / ``size_swa``: usable slots of the full / SWA pool (multiples of
       ``page_size``); ``page_size``: slots per page.
     * ``num_layers``, ``swa_layer_ids`` (frozenset of layer ids using the SWA pool),
-      ``num_kv_heads``, ``head_dim``, ``dtype``, ``device``.
+      ``num_kv_heads``, ``head_dim``, ``dtype`` (what the buffers store), ``device``.
+    * ``k_scale`` / ``v_scale``: FP8 pools only (else None): float32
+      ``[num_layers, num_kv_heads]``, device; row ``layer_id`` holds that layer's per-head
+      scales (``set_kv_scales``; 1.0 until then).
     * ``k_buffer[layer_id]`` / ``v_buffer[layer_id]``: device tensors of ``dtype``,
       ``[size + page_size, num_kv_heads, head_dim]`` for full layers and
       ``[size_swa + page_size, num_kv_heads, head_dim]`` for SWA layers (page 0 reserved).
@@ -119,6 +129,13 @@ class SWAKVPool:
             self.k_buffer.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v_buffer.append(torch.zeros(shape, dtype=dtype, device=self.device))
 
+        #: FP8 pools: the per-layer, per-head K / V scales (float32 [num_layers, num_kv_heads])
+        self.k_scale: Optional[torch.Tensor] = None
+        self.v_scale: Optional[torch.Tensor] = None
+        if is_fp8(dtype):
+            self.k_scale = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=self.device)
+            self.v_scale = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=self.device)
+
         self.full_to_swa_index_mapping = torch.zeros(size + page_size + 1, dtype=torch.int32, device=self.device)
         self.full_to_swa_index_mapping[-1] = -1
         # The concrete device the tensors live on ("cuda" becomes "cuda:0"), so that device
@@ -149,6 +166,44 @@ class SWAKVPool:
         """v of ``layer_id``: ``[num_slots(layer_id), num_kv_heads, head_dim]``, device."""
         return self.get_kv_buffer(layer_id)[1]
 
+    # ------------------------------------------------------------------ FP8
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the buffers store an FP8 dtype (k / v are quantised when stored)."""
+        return self.k_scale is not None
+
+    def set_kv_scales(self, layer_id: int, k_scale, v_scale) -> None:
+        """Set ``layer_id``'s K and V scales (FP8 pools): each one positive float for every head,
+        or ``num_kv_heads`` of them (a sequence or a tensor, read on the host: call it at setup,
+        before the layer's first store; ``fp8.host_scales`` says what is refused). Raises
+        ``ValueError`` on an unquantised pool or a bad value, changing nothing."""
+        self._check_layer(layer_id)
+        if not self.is_fp8:
+            raise ValueError(f"set_kv_scales: the pool stores {self.dtype}, not an FP8 dtype (no scales)")
+        k = host_scales(k_scale, self.num_kv_heads, "k_scale")
+        v = host_scales(v_scale, self.num_kv_heads, "v_scale")
+        self.k_scale[layer_id].copy_(k)
+        self.v_scale[layer_id].copy_(v)
+
+    def quantize(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What ``layer_id``'s buffers would hold for ``k`` / ``v`` ``[n, num_kv_heads, head_dim]``:
+        an FP8 pool quantises them with the layer's scales (``fp8.quantize_kv``; already FP8:
+        as given); an unquantised pool returns them as they are. Device ops only."""
+        if not self.is_fp8 or (k.dtype == self.dtype and v.dtype == self.dtype):
+            return k, v
+        return (
+            quantize_kv(k, self.k_scale[layer_id], self.dtype),
+            quantize_kv(v, self.v_scale[layer_id], self.dtype),
+        )
+
+    def kv_scales(self, layer_id: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(k_scale, v_scale)`` of ``layer_id``: float32 ``[num_kv_heads]`` device views (FP8
+        pools), ``(None, None)`` otherwise."""
+        self._check_layer(layer_id)
+        if not self.is_fp8:
+            return None, None
+        return self.k_scale[layer_id], self.v_scale[layer_id]
+
     # ------------------------------------------------------------------ hot path
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
         """SWA slots of the full slots ``loc`` (any shape, int32/int64, device): a device
@@ -172,7 +227,10 @@ class SWAKVPool:
         """Store the KV of ``n`` new tokens of ``layer_id``.
 
         ``loc``: ``[n]`` full slots (int32/int64, device); ``k``, ``v``:
-        ``[n, num_kv_heads, head_dim]`` of the pool's dtype, device; ``swa_loc``: ``[n]`` SWA
+        ``[n, num_kv_heads, head_dim]`` of the pool's dtype, device (an FP8 pool also takes one of
+        ``MODEL_DTYPES``, both the same, and quantises them with the layer's scales:
+        ``quantize``);
+        ``swa_loc``: ``[n]`` SWA
         slots (int32/int64, device), REQUIRED on SWA layers — the step's hoisted
         ``swa_out_cache_loc``; full layers write at ``loc`` and ignore it.
 
@@ -197,10 +255,16 @@ class SWAKVPool:
                 raise KVSlotError(f"layer {layer_id}: {name} is on {t.device}, the pool on {self.device}")
         n = k.shape[0]
         expected = (n, self.num_kv_heads, self.head_dim)
+        given = self.dtype
+        if self.is_fp8 and k.dtype in MODEL_DTYPES:
+            given = k.dtype
         for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expected or t.dtype != self.dtype:
+            if tuple(t.shape) != expected or t.dtype != given:
+                what = str(self.dtype)
+                if self.is_fp8:
+                    what += f" or one of {[str(d) for d in MODEL_DTYPES]} (k and v the same)"
                 raise KVSlotError(
-                    f"layer {layer_id}: {name} must be {list(expected)} {self.dtype}, got {list(t.shape)} {t.dtype}"
+                    f"layer {layer_id}: {name} must be {list(expected)} {what}, got {list(t.shape)} {t.dtype}"
                 )
         for name, t in (("loc", loc), ("swa_loc", swa_loc)):
             if t is None:
@@ -227,6 +291,11 @@ class SWAKVPool:
                 index, k, v = index[keep], k[keep], v[keep]
         else:
             index = torch.where((index >= 0) & (index < num_slots), index, 0)
+        if self.is_fp8:  # written as bytes: every device indexes uint8, not every one float8
+            k, v = (t.view(torch.uint8) for t in self.quantize(layer_id, k, v))
+            self.k_buffer[layer_id].view(torch.uint8)[index] = k
+            self.v_buffer[layer_id].view(torch.uint8)[index] = v
+            return
         self.k_buffer[layer_id][index] = k
         self.v_buffer[layer_id][index] = v
 

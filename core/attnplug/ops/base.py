@@ -9,7 +9,8 @@ kv heads, ``D`` head dim, ``P`` block size, ``N`` blocks, ``S = N * P`` slots):
 tensor             shape / dtype               meaning
 =================  ==========================  ============================================
 key_cache,         [N, P, Hkv, D] or           slot ``s`` is block ``s // P``, offset
-value_cache        [S, Hkv, D]; q's dtype      ``s % P``; last dim contiguous, one slot
+value_cache        [S, Hkv, D]; q's dtype,     ``s % P``; last dim contiguous, one slot
+                   or an FP8 dtype
                                                stride, head stride free (the K and V
                                                halves of vLLM's interleaved cache)
 slot_mapping       [>= T'] int32/int64         where new token ``t`` is stored: a slot in
@@ -31,6 +32,13 @@ Semantics (the same as the pool-level backends, docs/contract.md): new token ``i
 (float32 ``[H]``) join each head's softmax denominator only. Slot 0 is never a key: an engine
 keeps it (or its whole block 0, as vLLM's null block) out of every request, so a block table's
 padding (0, or negative) reads nothing. A request with no key outputs zeros.
+
+An FP8 cache (``float8_e4m3fn`` / ``float8_e5m2``, where the ops list it in
+``fp8_kv_dtypes``) takes ``k_scale`` / ``v_scale`` on ``store_kv`` and ``attend``: float32
+device tensors of one element (the layer's, vLLM's ``layer._k_scale``) or ``[Hkv]`` (per
+head). ``store_kv`` quantises key / value (q's dtype) by ``attnplug.memory.fp8``'s rule
+(saturating, round to nearest even); ``attend`` is attention over the dequantised cache. The
+scales are read on the device only; an unquantised cache ignores them.
 
 ``plan`` does the per-step work once for every layer of the group, on the device and without
 a host read: the slot of every key position (``slot_table``). Its host arguments
@@ -148,6 +156,8 @@ class PagedOps(abc.ABC):
     #: the ops' name (the backend's registry name)
     name: str = "abstract"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    #: the FP8 cache dtypes served (q, key and value then in one of ``dtypes``)
+    fp8_kv_dtypes: tuple = ()
 
     def __init__(self, device) -> None:
         #: the ops' device, with its index (``"xyz"`` -> ``xyz:<current>``), as tensors report it
@@ -202,10 +212,11 @@ class PagedOps(abc.ABC):
 
     # ------------------------------------------------------------------ per layer
     @abc.abstractmethod
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
         """``key_cache[slot_mapping[t]] = key[t]`` and the same for values, for every
         ``t < len(slot_mapping)`` whose slot is in ``[1, S)``; ``key`` / ``value`` are
-        ``[>= len(slot_mapping), Hkv, D]`` in the cache's dtype."""
+        ``[>= len(slot_mapping), Hkv, D]`` in the cache's dtype (an FP8 cache: in one of
+        ``dtypes``, quantised with ``k_scale`` / ``v_scale``)."""
 
     @abc.abstractmethod
     def attend(
@@ -220,11 +231,53 @@ class PagedOps(abc.ABC):
         softcap: Optional[float] = None,
         sinks: Optional[torch.Tensor] = None,
         out: Optional[torch.Tensor] = None,
+        k_scale: Optional[torch.Tensor] = None,
+        v_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Attention of ``query`` ``[step.num_tokens, H, D]`` over the caches as ``step``
-        describes them, written into ``out`` (allocated when None) and returned."""
+        describes them (an FP8 cache: dequantised with ``k_scale`` / ``v_scale``), written into
+        ``out`` (allocated when None) and returned."""
 
     # ------------------------------------------------------------------ shared checks
+    def check_scales(self, k_scale, v_scale, cache: torch.Tensor):
+        """``(k_scale, v_scale)`` as float32 ``[Hkv]`` views (an FP8 ``cache``: both required,
+        each float32 with 1 or ``Hkv`` elements on the cache's device; read on the device
+        only), or ``(None, None)`` for an unquantised cache (whatever was given)."""
+        from ..memory.fp8 import is_fp8
+
+        if not is_fp8(cache.dtype):
+            return None, None
+        hkv = cache.shape[1]
+        views = []
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(t, torch.Tensor):
+                _fail(f"{name}: an FP8 cache ({cache.dtype}) needs a float32 scale tensor, got {type(t).__name__}")
+            if t.dtype != torch.float32 or t.numel() not in (1, hkv):
+                _fail(
+                    f"{name} must be float32 with 1 or {hkv} (one per kv head) elements, got {t.dtype} {tuple(t.shape)}"
+                )
+            if t.device != cache.device:
+                _fail(f"{name} is on {t.device}, the cache on {cache.device}")
+            views.append(t.reshape(-1).expand(hkv))
+        return views[0], views[1]
+
+    def _check_cache_dtype(self, cache: torch.Tensor, model_dtype: torch.dtype, what: str) -> None:
+        """The cache's dtype is served, and ``model_dtype`` (q's or key's) fits it."""
+        if cache.dtype in self.fp8_kv_dtypes:
+            if model_dtype not in self.dtypes:
+                _fail(
+                    f"{what} is {model_dtype}: over an FP8 cache it must be one of the {self.name} ops' "
+                    f"dtypes {self.dtypes}"
+                )
+            return
+        if cache.dtype not in self.dtypes:
+            _fail(
+                f"cache dtype {cache.dtype} is not one of the {self.name} ops' dtypes {self.dtypes}"
+                + (f" or FP8 dtypes {self.fp8_kv_dtypes}" if self.fp8_kv_dtypes else "")
+            )
+        if model_dtype != cache.dtype:
+            _fail(f"{what} is {model_dtype}, the cache is {cache.dtype}")
+
     def check_store(self, key, value, key_cache, value_cache, slot_mapping):
         """The checks of ``store_kv``; returns the flat caches and the token count."""
         kc, vc = flat_cache(key_cache, "key_cache"), flat_cache(value_cache, "value_cache")
@@ -238,14 +291,13 @@ class PagedOps(abc.ABC):
                 _fail(f"{name} must be [T, {kc.shape[1]}, {kc.shape[2]}] like the cache's rows, got {shape}")
             if t.shape[0] < n:
                 _fail(f"{name} has {t.shape[0]} rows for {n} slots in slot_mapping")
-            if t.dtype != kc.dtype:
-                _fail(f"{name} is {t.dtype}, the cache is {kc.dtype}")
+            self._check_cache_dtype(kc, t.dtype, name)
+            if t.dtype != key.dtype:
+                _fail(f"value is {t.dtype}, key is {key.dtype}")
             if t.device != kc.device:
                 _fail(f"{name} is on {t.device}, the cache on {kc.device}")
         if vc.dtype != kc.dtype or vc.device != kc.device:
             _fail(f"value_cache ({vc.dtype}, {vc.device}) differs from key_cache ({kc.dtype}, {kc.device})")
-        if kc.dtype not in self.dtypes:
-            _fail(f"cache dtype {kc.dtype} is not one of the {self.name} ops' dtypes {self.dtypes}")
         return kc, vc, n
 
     def check_attend(self, query, key_cache, value_cache, step, scale, window, softcap, sinks, out):
@@ -264,8 +316,7 @@ class PagedOps(abc.ABC):
             _fail(f"query has {T} rows, the step {step.num_tokens} new tokens")
         if H % hkv:
             _fail(f"query heads ({H}) must be a multiple of the cache's kv heads ({hkv})")
-        if query.dtype != kc.dtype or query.dtype not in self.dtypes:
-            _fail(f"query is {query.dtype}, the cache {kc.dtype}; the {self.name} ops serve {self.dtypes}")
+        self._check_cache_dtype(kc, query.dtype, "query")
         for name, t in (("query", query), ("key_cache", kc), ("value_cache", vc), ("step.seq_lens", step.seq_lens)):
             if t.device != self.device:
                 _fail(f"{name} is on {t.device}, the {self.name} ops on {self.device}")

@@ -4,7 +4,8 @@
 Each layer gathers every request's keys into a padded ``[B, K, Hkv, D]`` block and runs a
 masked softmax in float32 (float64 for float64 inputs). Written for clarity, not speed; it runs
 unchanged on any device PyTorch supports and is the op layer of the reference, Ascend and XPU
-backends.
+backends. An FP8 cache is quantised at store (``attnplug.memory.fp8.quantize_kv``) and its
+gathered rows dequantised in float32 (``gather_rows``) before the same math.
 """
 
 from __future__ import annotations
@@ -14,12 +15,37 @@ from typing import Optional
 
 import torch
 
+from ..memory.fp8 import FP8_KV_DTYPES, dequantize_kv, is_fp8, quantize_kv
 from .base import PagedOps
 
-__all__ = ["PortableOps", "attend_gathered", "NO_KEY"]
+__all__ = ["PortableOps", "attend_gathered", "gather_rows", "NO_KEY"]
 
 #: key position given to a column with no slot: past every query, so every mask drops it
 NO_KEY = 1 << 62
+
+
+def gather_rows(cache: torch.Tensor, slots: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``cache[slots]`` (``cache`` ``[S, Hkv, D]``, ``slots`` any int shape): an FP8 cache's rows
+    gathered as bytes (every device indexes uint8) and dequantised with the per-head ``scale``
+    ``[Hkv]`` in float32; other caches as they are."""
+    if not is_fp8(cache.dtype):
+        return cache[slots]
+    rows = cache.view(torch.uint8)[slots].view(cache.dtype)
+    return dequantize_kv(rows, scale)
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+    """``cache[slots] = rows`` for the slots in ``[1, S)``; any other slot writes slot 0's own
+    value back (nothing changes, nothing wraps). An FP8 cache quantises ``rows`` with the
+    per-head ``scale`` first and writes bytes."""
+    slots = slots.long()
+    keep = (slots >= 1) & (slots < cache.shape[0])
+    idx = torch.where(keep, slots, 0)
+    if is_fp8(cache.dtype):
+        if rows.dtype != cache.dtype:
+            rows = quantize_kv(rows, scale, cache.dtype)
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    cache[idx] = torch.where(keep[:, None, None], rows, cache[0])
 
 
 def attend_gathered(
@@ -84,14 +110,18 @@ class PortableOps(PagedOps):
     map the gathered layout needs."""
 
     name = "portable"
+    fp8_kv_dtypes = FP8_KV_DTYPES
 
-    def __init__(self, device, *, name: Optional[str] = None, dtypes=None) -> None:
-        """``name`` / ``dtypes``: the backend's whose math these are (default: portable's)."""
+    def __init__(self, device, *, name: Optional[str] = None, dtypes=None, fp8_kv_dtypes=None) -> None:
+        """``name`` / ``dtypes`` / ``fp8_kv_dtypes``: the backend's whose math these are
+        (default: portable's)."""
         super().__init__(device)
         if name is not None:
             self.name = name
         if dtypes is not None:
             self.dtypes = tuple(dtypes)
+        if fp8_kv_dtypes is not None:
+            self.fp8_kv_dtypes = tuple(fp8_kv_dtypes)
 
     def plan(self, query_start_loc, seq_lens, block_table, block_size, *, num_tokens, max_query_len, max_seq_len):
         step = super().plan(
@@ -112,19 +142,31 @@ class PortableOps(PagedOps):
         token_idx = tok - starts[:-1][token_req]
         return dataclasses.replace(step, token_req=token_req, token_idx=token_idx, q_start=seq_lens.long() - q_lens)
 
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
         kc, vc, n = self.check_store(key, value, key_cache, value_cache, slot_mapping)
+        ks, vs = self.check_scales(k_scale, v_scale, kc)
         if n == 0:
             return
-        slots = slot_mapping.long()
-        keep = (slots >= 1) & (slots < kc.shape[0])
-        idx = torch.where(keep, slots, 0)
-        # a skipped token writes slot 0's own value back: nothing changes, nothing wraps
-        kc[idx] = torch.where(keep[:, None, None], key[:n], kc[0])
-        vc[idx] = torch.where(keep[:, None, None], value[:n], vc[0])
+        store_rows(kc, slot_mapping[:n], key[:n], ks)
+        store_rows(vc, slot_mapping[:n], value[:n], vs)
 
-    def attend(self, query, key_cache, value_cache, step, *, scale, window=None, softcap=None, sinks=None, out=None):
+    def attend(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        step,
+        *,
+        scale,
+        window=None,
+        softcap=None,
+        sinks=None,
+        out=None,
+        k_scale=None,
+        v_scale=None,
+    ):
         kc, vc, out = self.check_attend(query, key_cache, value_cache, step, scale, window, softcap, sinks, out)
+        ks, vs = self.check_scales(k_scale, v_scale, kc)
         if step.num_tokens == 0 or step.num_reqs == 0:
             return out
         if step.token_req is None:
@@ -145,8 +187,8 @@ class PortableOps(PagedOps):
         out.copy_(
             attend_gathered(
                 query,
-                kc[slots],
-                vc[slots],
+                gather_rows(kc, slots, ks),
+                gather_rows(vc, slots, vs),
                 key_pos,
                 q_start=step.q_start,
                 seq_lens=step.seq_lens.long(),

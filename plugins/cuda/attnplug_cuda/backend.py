@@ -21,6 +21,16 @@ run. Per layer, by the step's plan:
 
 With PDL, every attention launch after a step's first reads its metadata and cached K/V
 before waiting for the previous kernel, so consecutive layers overlap (``pdl.Schedule``).
+
+FP8 KV caches (``attnplug.memory.fp8``: ``float8_e4m3fn``, ``float8_e5m2``; q, k, v and the
+output in float16 or bfloat16): the same paths, plans (``AttentionShape.kv_fp8``), PDL
+schedules and graphs; every store quantises (``kernels.common.quantize_kv``, bit for bit the
+pool's rule) and every attention kernel reads the FP8 tiles with the layer's per-head scales
+folded in (``kernels.common``). Each layer's scales are the pool's ``kv_scales(layer_id)``
+views, taken once at construction: their addresses never change, so graphs replay whatever
+``set_kv_scales`` last wrote. Where the device's Triton cannot run a dtype
+(``TritonDevicePart.fp8_kv_problem``: ``float8_e4m3fn`` below compute capability 8.9 and on
+ROCm) the constructor refuses the pool, saying why.
 Graph mode keeps every buffer static (``init_cuda_graph_state``: a new graph state per call,
 owned by the ``GraphRunner`` that made it and switched back to with ``set_cuda_graph_state``);
 replay preparation is one launch on device tensors and reads nothing back
@@ -29,8 +39,9 @@ replay preparation is one launch on device tensors and reads nothing back
 Choices (``tuning.CudaTuning``, ``CudaTuning.from_env()`` by default):
 ``ATTNPLUG_DISABLE_PDL=1`` launches without PDL; ``ATTNPLUG_KV_STORE=cpp`` stores K/V with the
 CUDA C++ kernel (``csrc/kv_store.cu``, built JIT on first use; where it cannot be built the
-Triton store is used and ``kv_store_reason`` says why). A variant for a benchmark or a test
-is ``CudaBackend(..., tuning=dataclasses.replace(tuning, ...))``.
+Triton store is used and ``kv_store_reason`` says why; an FP8 pool always gets the Triton
+store, which quantises: the C++ store does not, and refuses FP8 caches). A variant for a
+benchmark or a test is ``CudaBackend(..., tuning=dataclasses.replace(tuning, ...))``.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from attnplug.backend import AttentionBackend, BackendConfigError, Capabilities,
 from attnplug.batch import BatchError, ForwardBatch
 from attnplug.env import validation_enabled
 from attnplug.graph_buffers import GraphBuffers
+from attnplug.memory.fp8 import FP8_KV_DTYPES, is_fp8
 
 from .device import CudaDevice
 from .kernels.interpret import interpreting
@@ -78,13 +90,21 @@ class TritonBackend(AttentionBackend):
     device_part: ClassVar[TritonDevicePart]
     #: the device as a refused pool's message names it
     device_label: ClassVar[str] = "a CUDA device"
+    #: the FP8 KV cache dtypes the kernels serve (narrowed by the device part's
+    #: ``fp8_kv_problem``: ``declared_capabilities``, the constructor, ``paged_ops``)
+    fp8_kv_dtypes: ClassVar[Tuple[torch.dtype, ...]] = FP8_KV_DTYPES
 
     def __init__(self, pool, req_to_token_pool, *, tuning: Optional[CudaTuning] = None, **layer):
         """``layer``: what every backend takes (``num_heads``, ``sliding_window``, ``scaling``,
         ``logit_softcap``: ``AttentionBackend``); ``tuning``: the device part's
         ``default_tuning()`` when None."""
-        super().__init__(pool, req_to_token_pool, **layer)
         part = self.triton_part()
+        dtype = getattr(pool, "dtype", None)
+        if is_fp8(dtype):  # before the core's check, which cannot say why a dtype is not served
+            problem = part.fp8_kv_problem(dtype, getattr(pool, "device", None))
+            if problem is not None:
+                raise BackendConfigError(f"the {self.name} backend cannot serve a {dtype} KV pool here: {problem}")
+        super().__init__(pool, req_to_token_pool, **layer)
         if self.device.type != part.device_type and not interpreting():
             raise ValueError(
                 f"the {self.name} backend needs a pool on {self.device_label}, got {self.device} "
@@ -101,7 +121,13 @@ class TritonBackend(AttentionBackend):
         tuning = tuning if tuning is not None else part.default_tuning()
         if not isinstance(tuning, CudaTuning):
             raise TypeError(f"tuning must be a CudaTuning, got {type(tuning).__name__}")
-        self.kv_store_impl, self.kv_store_reason = part.kv_store_choice(tuning.kv_store)
+        if pool.is_fp8 and tuning.kv_store == "cpp":  # (nothing is built for a store that cannot run)
+            self.kv_store_impl = "triton"
+            self.kv_store_reason = (
+                f"the CUDA C++ KV store does not quantise: the {pool.dtype} pool is stored by the Triton kernels"
+            )
+        else:
+            self.kv_store_impl, self.kv_store_reason = part.kv_store_choice(tuning.kv_store)
         # PDL is decided here, once, from the device part: the plans carry it into every
         # kernel as a constexpr (None without PDL), so no PDL code is compiled without it.
         ok, self.pdl_reason = part.pdl_support(self.device)
@@ -116,6 +142,10 @@ class TritonBackend(AttentionBackend):
         self._paged_attention = paged_attention.paged_attention
         self._store_attend = store_attend.store_attend
         self._inputs, self._key_table, self._new_rows = common.AttentionInputs, common.KeyTable, common.NewRows
+        # each layer's FP8 scales: views of the pool's rows, fixed addresses (None: unquantised)
+        self._kv_scales = [
+            common.KVScales.of(*pool.kv_scales(layer)) if pool.is_fp8 else None for layer in range(pool.num_layers)
+        ]
         self.has_swa = bool(pool.swa_layer_ids)
         self.max_context_len = req_to_token_pool.req_to_token.shape[1]
         #: what this instance fixes for every step's plan
@@ -126,6 +156,7 @@ class TritonBackend(AttentionBackend):
             max_context_len=self.max_context_len,
             window=self.sliding_window if self.has_swa else None,
             num_sms=part.compute_units(self.device),
+            kv_fp8=pool.is_fp8,
         )
         self.forward_metadata: Optional[StepTables] = None
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None
@@ -163,16 +194,18 @@ class TritonBackend(AttentionBackend):
         """The same kernels over caches an engine owns (``attnplug_cuda.ops.CudaOps``)."""
         from .ops import CudaOps
 
-        return CudaOps(device, tuning, part=cls.triton_part())
+        return CudaOps(device, tuning, part=cls.triton_part(), fp8_kv_dtypes=cls.fp8_kv_dtypes)
 
     # ------------------------------------------------------------------ description
     @classmethod
     def declared_capabilities(cls) -> Capabilities:
-        """PDL where the device has it (each instance decides: ``capabilities().pdl``)."""
+        """PDL where the device has it (each instance decides: ``capabilities().pdl``); the FP8
+        KV dtypes this install's Triton can run on the device type (``fp8_kv_problem``)."""
+        part = cls.triton_part()
         return Capabilities(
             device_type=cls.device_part.device_type,
             needs_cpu_seq_lens=cls.needs_cpu_seq_lens,
-            pdl=cls.triton_part().declares_pdl,
+            pdl=part.declares_pdl,
             graphs=GraphSupport.UNIFORM,
             dtypes=(torch.float16, torch.bfloat16),
             head_dims=(64, 128, 256),
@@ -183,6 +216,7 @@ class TritonBackend(AttentionBackend):
             # every offset into a layer buffer that multiplies a slot or a head index is 64-bit
             # (the Triton kernels and the C++ store)
             large_kv_buffers=True,
+            fp8_kv_dtypes=tuple(d for d in cls.fp8_kv_dtypes if part.fp8_kv_problem(d) is None),
         )
 
     def capabilities(self) -> Capabilities:
@@ -355,13 +389,13 @@ class TritonBackend(AttentionBackend):
         return 1
 
     # ------------------------------------------------------------------ the layer
-    def _store(self, k, v, k_cache, v_cache, loc) -> None:
-        if self.tuning.kv_store == "cpp":
+    def _store(self, k, v, k_cache, v_cache, loc, scales) -> None:
+        if self.tuning.kv_store == "cpp":  # never an FP8 pool (the constructor chose the Triton store)
             from .cpp_ext import kv_store as cpp_kv_store
 
             cpp_kv_store(k, v, k_cache, v_cache, loc, self.pdl)
         else:
-            self._kv_store(k, v, k_cache, v_cache, loc, pdl=self.pdl)
+            self._kv_store(k, v, k_cache, v_cache, loc, scales=scales, pdl=self.pdl)
 
     def _step_tables(self) -> StepTables:
         """This step's tables (the last metadata call's)."""
@@ -384,6 +418,7 @@ class TritonBackend(AttentionBackend):
         t = self._step_tables()
         is_swa = self.pool.is_swa_layer(layer_id)
         k_cache, v_cache = self.pool.get_kv_buffer(layer_id)
+        scales = self._kv_scales[layer_id]
         path = t.plan.path
         loc = None
         if save_kv_cache:
@@ -392,7 +427,7 @@ class TritonBackend(AttentionBackend):
                 path is Path.ONE_LAUNCH and self.tuning.kv_store == "triton"
             )
             if not stored_by_attention:  # a separate store launch
-                self._store(k, v, k_cache, v_cache, loc)
+                self._store(k, v, k_cache, v_cache, loc, scales)
                 loc = None
         out = torch.empty_like(q)
         if batch.num_tokens == 0:
@@ -410,6 +445,7 @@ class TritonBackend(AttentionBackend):
             self.sliding_window if is_swa else None,
             self.logit_softcap,
             sinks,
+            scales,
         )
         if path is Path.ONE_LAUNCH:
             workspace, tickets = self._one_launch_workspace, self._tickets

@@ -6,7 +6,10 @@ registers its functions into the one module that ``module.cpp`` defines) is the 
 ``v_cache[loc[t]] = v[t]``, all heads of a token per thread group, 16-byte loads/stores when
 the rows allow it, and Programmatic Dependent Launch (PDL) on sm_90+: it waits
 (``cudaGridDependencySynchronize``) before reading k, v or loc and lets its dependents start
-(``cudaTriggerProgrammaticLaunchCompletion``) after its last store.
+(``cudaTriggerProgrammaticLaunchCompletion``) after its last store. It copies rows, it does
+not quantise: it refuses FP8 caches (the binding's dtype check), and ``TritonBackend`` stores
+an FP8 pool with the Triton kernels whatever ``ATTNPLUG_KV_STORE`` says (``kv_store_reason``
+says so), so an FP8 pool is never written unquantised.
 
 API:
 
@@ -321,7 +324,8 @@ def kv_store(k, v, k_cache, v_cache, loc, pdl: bool = False) -> bool:
     CUDA stream (in place, no sync; slots outside ``[1, num_slots)`` are skipped).
 
     k, v: ``[T, Hkv, D]`` fp16/bf16/fp32 with dense ``[Hkv, D]`` rows (token stride free);
-    caches: ``[S, Hkv, D]``, same dtype and device; loc: ``[T]`` int32 or int64, contiguous.
+    caches: ``[S, Hkv, D]``, same dtype and device (never FP8: the binding refuses it, the
+    Triton ``kv_store`` quantises); loc: ``[T]`` int32 or int64, contiguous.
     ``pdl`` requests Programmatic Dependent Launch (decide it with
     ``attnplug_cuda.kernels.pdl.pdl_supported``; ``ATTNPLUG_DISABLE_PDL=1`` turns it off here
     too); returns whether it was used."""

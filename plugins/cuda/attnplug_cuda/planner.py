@@ -18,6 +18,14 @@ passed to them whole (``PLAN: tl.constexpr``); ``plan_one_launch`` and ``plan_pa
 heuristics, each rule with the reason it holds (the measurements behind them are in
 ``docs/benchmarks.md`` and the history of this file). No autotuning: a launch must be
 capturable in a CUDA graph, and the same shape must always get the same kernel.
+
+An FP8 KV cache (``kv_fp8``) takes the same paths, PDL schedules and graphs (its store is the
+Triton one: the C++ store does not quantise, ``TritonBackend`` picks the Triton store for an
+FP8 pool) and the same tiles, but for two rules: where a split's key count stands for the
+bytes it streams (``*_split_keys``) its keys count ``CudaTuning.fp8_split_keys_factor`` times
+as many (a key of an FP8 cache is half the bytes of a 16-bit one), and ``store_attend``'s key
+blocks hold at most ``CudaTuning.fp8_block_elems`` elements a 4-warp program (an FP8 tile is
+converted to q's dtype in registers: ``plan_one_launch``).
 """
 
 from __future__ import annotations
@@ -94,7 +102,8 @@ class PagedPlan(NamedTuple):
 @dataclass(frozen=True)
 class AttentionShape:
     """What a backend instance fixes: heads, head dim, the widest context
-    (``req_to_token``'s columns), the window (None without SWA layers), the device's SMs."""
+    (``req_to_token``'s columns), the window (None without SWA layers), the device's SMs,
+    whether the cache stores FP8 (``kv_fp8``)."""
 
     num_heads: int
     num_kv_heads: int
@@ -102,6 +111,7 @@ class AttentionShape:
     max_context_len: int
     window: Optional[int]
     num_sms: int
+    kv_fp8: bool = False
 
     @property
     def group(self) -> int:
@@ -116,7 +126,8 @@ class LaunchShape(NamedTuple):
     """One attention launch's shape, from host ints only: ``num_reqs`` requests, ``num_tokens``
     new tokens, up to ``max_q_len`` of them a request, ``num_kv_heads`` kv heads of ``group``
     q heads each, ``head_dim``, ``max_kv_len`` (a host bound of the keys a request reads: the
-    key table's width), the ``window`` (None: a full layer), the device's ``num_sms``."""
+    key table's width), the ``window`` (None: a full layer), the device's ``num_sms``, whether
+    the cache stores FP8 (``kv_fp8``: its keys are half the bytes)."""
 
     num_reqs: int
     num_tokens: int
@@ -127,6 +138,7 @@ class LaunchShape(NamedTuple):
     max_kv_len: int
     window: Optional[int]
     num_sms: int
+    kv_fp8: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _split_keys(keys: int, shape: LaunchShape, t: CudaTuning) -> int:
+    """A split-key bound (``CudaTuning.*_split_keys``) for ``shape``'s cache: the bounds stand
+    for the bytes a split streams against what its partials and their merge cost, so an FP8
+    cache's keys (half the bytes) count ``fp8_split_keys_factor`` times as many."""
+    return keys * t.fp8_split_keys_factor if shape.kv_fp8 else keys
+
+
 # ----------------------------------------------------------------------------- the step
 def one_launch_serves(num_reqs: int, num_kv_heads: int, max_q_len: int, group: int, num_sms: int, t: CudaTuning):
     """Whether ``store_attend`` serves a step: its rows of a request fit one tile and there are
@@ -194,8 +213,9 @@ def plan_step(
         path = Path.TWO_LAUNCH
     plans = []
     for window, max_kv_len in kinds:
+        group, heads = s.group, s.num_kv_heads
         launch = LaunchShape(
-            num_reqs, num_tokens, s.num_kv_heads, s.group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms
+            num_reqs, num_tokens, heads, group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms, s.kv_fp8
         )
         if path is Path.ONE_LAUNCH:
             kernel = plan_one_launch(launch, t)
@@ -215,7 +235,7 @@ def plan_step(
 def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     """``store_attend``'s plan: key blocks, warps, stages and KV splits for one launch shape."""
     t = tuning
-    num_reqs, _, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms = shape
+    num_reqs, _, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _ = shape
     rows = _pow2(max(1, max_q_len) * group)
     block_d = _pow2(head_dim)
     span = max(1, max_kv_len)
@@ -238,7 +258,7 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     windowed = window is not None and span == max(1, max_q_len) + window - 1
     unsplit = windowed and span <= 256 and 4 * groups >= num_sms
     splits = 1
-    while not unsplit and can_split(splits, 1, t.one_launch_split_keys):
+    while not unsplit and can_split(splits, 1, _split_keys(t.one_launch_split_keys, shape, t)):
         splits *= 2
     alone = splits
     # Decode steps split on into 4-warp programs of at most 128-key blocks, two an SM
@@ -251,7 +271,8 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     # Steps of several tokens a request pair their programs the same way, windowed layers
     # too, once their groups cover a quarter of the SMs.
     several = not decode and num_sms <= 4 * groups
-    while ((decode and not windowed) or several) and can_split(splits, t.paired_programs_per_sm, t.paired_split_keys):
+    paired_keys = _split_keys(t.paired_split_keys, shape, t)
+    while ((decode and not windowed) or several) and can_split(splits, t.paired_programs_per_sm, paired_keys):
         splits *= 2
     paired = splits > alone
     # One key block covers a split's keys where it can (each trip of the loop is a dependent
@@ -270,6 +291,14 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     crowded = groups > num_sms
     wide = 256 if not (crowded or paired) and (unsplit or 512 <= share <= 1024) else 128
     block_n = max(16, min(block_n, wide if block_d <= 128 else 64, t.max_block_n))
+    if shape.kv_fp8:
+        # An FP8 block is converted to q's dtype in registers, beside its bytes, where a 16-bit
+        # block reaches the products through shared memory: compiled for sm_90, the 16-bit
+        # limits (128 x 128 elements a 4-warp program, 256 x 128 an 8-warp one) spill FP8
+        # blocks. Half of them: fp8_block_elems a 4-warp program, twice that for a program
+        # alone on its SM (8 warps once the block is 128 x 128).
+        alone = not (crowded or paired)
+        block_n = max(16, min(block_n, t.fp8_block_elems * (2 if alone else 1) // block_d))
     # Software pipelining only where a split's share holds more than eight key blocks (four
     # for paired programs), or the programs are crowded: one or a few blocks run faster in one
     # stage.
@@ -310,7 +339,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     """``paged_attention``'s plan: tiles, warps, stages, KV splits, loop shape and prefetch
     depth for one launch shape."""
     t = tuning
-    num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms = shape
+    num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _ = shape
     block_d = _pow2(head_dim)
     rows = max(1, max_q_len) * group
     block_m = min(max(16, _pow2(rows)), 128 if block_d <= 128 else 64)
@@ -328,7 +357,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     splits = 1
     target = t.paged_programs_per_sm * num_sms
     if base < target:
-        splits = min(_cdiv(target, base), _cdiv(span, t.paged_split_keys), t.paged_max_splits)
+        splits = min(_cdiv(target, base), _cdiv(span, _split_keys(t.paged_split_keys, shape, t)), t.paged_max_splits)
         splits = max(1, min(splits, t.paged_split_tokens // max(1, num_tokens)))
     # The decode tiles send their first key block's cached K/V lines to L2 before a PDL
     # prologue's wait; more blocks (a whole window) cost more than they save.

@@ -14,6 +14,9 @@ decides comes from the small part a backend class names (``device_part``):
 * ``kv_store_choice(wanted, build)``: whether the CUDA C++ KV store may run (only on a CUDA
   build of torch);
 * ``default_tuning()``: the plan defaults (block sizes, warps, the planner's bounds);
+* ``fp8_kv_problem(dtype, device)``: why the device's Triton cannot run the kernels over an FP8
+  KV cache of ``dtype`` (None: it can); the backend refuses such a pool at construction and
+  the op layer such a cache, naming the reason;
 * the graph class, sync guard and synchronisation (``DevicePart``).
 
 The backend takes a pool on ``device_type``, or on the CPU while the Triton interpreter runs
@@ -24,7 +27,7 @@ This module imports neither Triton nor a device runtime.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -59,3 +62,34 @@ class TritonDevicePart(DevicePart):
 
     def default_tuning(self) -> CudaTuning:
         return CudaTuning.from_env()
+
+    def fp8_kv_problem(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> Optional[str]:
+        """Why the kernels cannot serve an FP8 KV cache of ``dtype`` on ``device`` (None: they
+        can). ``device`` None: what holds for the class on this install (no device query).
+
+        The kernels' FP8 code is Triton's ``fp8e4nv`` (``float8_e4m3fn``) and ``fp8e5``
+        (``float8_e5m2``) types: loads converted to q's dtype, stores as bytes. Triton's own
+        rules, by the device type this part names:
+
+        * NVIDIA: ``fp8e4nv`` compiles for compute capability >= 8.9 only (Triton refuses the
+          type below: "not supported in this architecture"); ``fp8e5`` everywhere;
+        * AMD (``cuda`` on a ROCm build of torch): ``float8_e5m2`` only. ``float8_e4m3fn`` is the
+          OCP format, not the e4m3 of MI300 (``float8_e4m3fnuz``: another exponent bias and NaN
+          code), which Triton for gfx942 converts in software where its version accepts the
+          type at all; it is refused rather than left to fail or differ at the first launch;
+        * Intel XPUs: both (Intel's Triton converts ``fp8e4nv`` and ``fp8e5``)."""
+        if dtype == torch.float8_e4m3fn and self.device_type == "cuda":
+            hip = getattr(torch.version, "hip", None)
+            if hip:
+                return (
+                    f"ROCm {hip}: float8_e4m3fn is the OCP format, not MI300's float8_e4m3fnuz, and Triton "
+                    "converts it there only in software where it accepts it at all; use float8_e5m2"
+                )
+            if device is not None and device.type == "cuda" and torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability(device)
+                if (major, minor) < (8, 9):
+                    return (
+                        f"compute capability {major}.{minor}: Triton compiles float8_e4m3fn (fp8e4nv) for "
+                        "compute capability >= 8.9 only; use float8_e5m2"
+                    )
+        return None

@@ -33,7 +33,9 @@ class CudaTuning:
     #: launch with Programmatic Dependent Launch where the device has it
     #: (``ATTNPLUG_DISABLE_PDL=1``: False)
     pdl: bool = True
-    #: the KV store kernel: ``triton``, or ``cpp`` (the CUDA C++ store; ``ATTNPLUG_KV_STORE``)
+    #: the KV store kernel: ``triton``, or ``cpp`` (the CUDA C++ store; ``ATTNPLUG_KV_STORE``).
+    #: An FP8 pool is stored by the Triton kernels whatever this says: the C++ store does not
+    #: quantise (``TritonBackend`` records why in ``kv_store_reason``)
     kv_store: str = "triton"
     #: small decode and draft steps run one ``store_attend`` launch a layer
     one_launch: bool = True
@@ -70,6 +72,20 @@ class CudaTuning:
     #: split the KV range until about this many programs an SM exist
     paged_programs_per_sm: int = 3
 
+    # FP8 KV caches
+    #: an FP8 cache's keys count this many times in the split-key bounds above
+    #: (``one_launch_split_keys``, ``paired_split_keys``, ``paged_split_keys``): each bound
+    #: stands for the bytes a split streams against the fixed cost of its partials and their
+    #: merge, and an FP8 key is half the bytes of a 16-bit one (the tiles and paths stay the
+    #: 16-bit ones). Chosen from the code, not yet timed: 1 gives FP8 the 16-bit split counts
+    #: (more, shorter splits), the alternative to measure.
+    fp8_split_keys_factor: int = 2
+    #: most elements (keys x head dim) of an FP8 cache's key block in a 4-warp ``store_attend``
+    #: program (twice that alone on an SM, 8 warps): its tiles are converted in registers, and
+    #: compiled for sm_90 (Triton 3.9) the 16-bit plans' 128 x 128 (4 warps) and 256 x 128
+    #: (8 warps) blocks spill there, 64 x 128 and 128 x 128 do not (a power of two)
+    fp8_block_elems: int = 8192
+
     # the device's tiles (``TritonDevicePart.default_tuning``: other devices other defaults)
     #: the widest key block of any plan (a power of two >= 16)
     max_block_n: int = 256
@@ -90,7 +106,14 @@ class CudaTuning:
                     raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
         if self.max_block_n < 16:
             raise ValueError(f"max_block_n must be >= 16, got {self.max_block_n}")
-        for name in ("one_launch_rows", "paged_store_rows", "one_launch_max_splits", "paged_max_splits", "max_block_n"):
+        for name in (
+            "one_launch_rows",
+            "paged_store_rows",
+            "one_launch_max_splits",
+            "paged_max_splits",
+            "max_block_n",
+            "fp8_block_elems",
+        ):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")

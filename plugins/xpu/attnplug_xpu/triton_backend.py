@@ -5,7 +5,9 @@ home of the Triton kernels, their planner and launchers) built with the XPU's pa
 (``device.XpuTritonDevice``): PDL compiled out (every plan's ``PDL`` constexpr is None), the
 XPU plan defaults (``device.xpu_tuning``), Xe-cores as compute units, the Triton KV store,
 XPU graphs where this torch has ``torch.xpu.XPUGraph``. Intel's Triton backend lowers the
-kernels' ``tl.dot`` to the XPU's matrix units (DPAS).
+kernels' ``tl.dot`` to the XPU's matrix units (DPAS). FP8 KV caches: both dtypes
+(``TritonBackend.fp8_kv_dtypes``), Intel's Triton having the ``fp8e4nv`` / ``fp8e5`` types and
+their conversions the kernels use (the stores quantise in integers, no FP8 rounding).
 
 Without Triton for XPU the constructor refuses, naming the portable fallback
 (``attnplug_xpu.backend:XpuPortableBackend``); ``attnplug info`` says which one runs here.

@@ -12,6 +12,13 @@ Per layer: ``PagedOps.store_kv`` into the layer's K/V buffers (the SWA sub-pool'
 ``swa_out_cache_loc``), then ``PagedOps.attend`` (window ``sliding_window_size + 1``: SGLang's
 window counts the keys before the query; ``logit_cap`` as the soft-cap; ``sinks``).
 
+FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``: SGLang's pools store bytes and hand
+out ``float8_e4m3fn`` / ``float8_e5m2`` views): the store quantises the model-dtype k / v with
+the layer's ``k_scale`` / ``v_scale`` (``RadixAttention``'s: a float32 tensor loaded from the
+checkpoint, a float, or None for 1.0, SGLang's own default) by ``attnplug.memory.fp8``'s rule,
+and attention reads the dequantised cache. A pool dtype the op layer serves neither as a model
+dtype nor in ``fp8_kv_dtypes`` (e.g. ROCm's ``float8_e4m3fnuz``) is refused at construction.
+
 Graphs, both generations of SGLang's hooks: ``init_forward_metadata_out_graph`` (host bounds) and
 ``init_forward_metadata_in_graph`` (the device work above: recorded into a captured graph and
 replayed by it); the legacy capture / replay hooks run the same two, and a legacy replay copies
@@ -28,6 +35,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from ...memory.fp8 import host_scales, is_fp8
 from ...ops import PagedStep
 from ..choice import backend_class
 
@@ -72,6 +80,21 @@ class AttnplugSGLangBackend(AttentionBackend):
         self.attnplug_backend = cls
         self.ops = cls.paged_ops(self.device)
         pool = self.token_to_kv_pool
+        kv_dtype = getattr(pool, "dtype", None)
+        if kv_dtype is not None and kv_dtype not in tuple(self.ops.dtypes) + tuple(self.ops.fp8_kv_dtypes):
+            served = ", ".join(
+                str(d).replace("torch.", "") for d in tuple(self.ops.dtypes) + tuple(self.ops.fp8_kv_dtypes)
+            )
+            raise NotImplementedError(
+                f"attnplug inside SGLang: the KV cache dtype {kv_dtype} is not served by the {cls.name} backend's op "
+                f"layer (it serves {served})"
+            )
+        #: the per-layer FP8 scales handed to the op layer: layer id -> (k source, v source, k, v)
+        self._scales: Dict[int, tuple] = {}
+        #: the scale of a layer without one (SGLang's default: 1.0), made before any graph capture
+        self._ones: Optional[torch.Tensor] = None
+        if is_fp8(kv_dtype):
+            self._ones = torch.ones(1, dtype=torch.float32, device=self.device)
         self.layers_mapping = getattr(pool, "layers_mapping", None)
         self.has_swa = bool(getattr(pool, "swa_layer_nums", 0)) and hasattr(pool, "translate_loc_from_full_to_swa")
         self.forward_metadata: Optional[_Metadata] = None
@@ -81,7 +104,12 @@ class AttnplugSGLangBackend(AttentionBackend):
         self._captured: Dict[Tuple[int, int, str], _Metadata] = {}
         self._max_context = int(self.req_to_token_pool.req_to_token.shape[1])
         self._features_seen: Set[str] = set()
-        logger.info("attnplug: SGLang attention through the %s backend's op layer on %s", cls.name, self.device)
+        logger.info(
+            "attnplug: SGLang attention through the %s backend's op layer on %s (KV cache %s)",
+            cls.name,
+            self.device,
+            str(kv_dtype).replace("torch.", ""),
+        )
 
     # ------------------------------------------------------------------ per step
     @staticmethod
@@ -196,6 +224,34 @@ class AttnplugSGLangBackend(AttentionBackend):
             return False
         return bool(self.layers_mapping[layer.layer_id][1])
 
+    def _scale(self, value, name: str, layer) -> torch.Tensor:
+        """One of a layer's FP8 scales as the op layer takes it: float32 on the device, 1 or
+        ``Hkv`` elements (None: 1.0, SGLang's default without checkpoint scales; a float:
+        checked on the host, then filled on the device, no host-to-device copy)."""
+        if value is None:
+            if self._ones is None:
+                self._ones = torch.ones(1, dtype=torch.float32, device=self.device)
+            return self._ones
+        if isinstance(value, torch.Tensor):
+            return value.detach().to(device=self.device, dtype=torch.float32)
+        try:
+            one = host_scales(value, 1, f"layer {layer.layer_id}'s {name}")
+        except ValueError as exc:
+            raise ValueError(f"attnplug inside SGLang: {exc}") from None
+        return torch.full((1,), float(one[0]), dtype=torch.float32, device=self.device)
+
+    def _kv_scales(self, layer, cache: torch.Tensor) -> dict:
+        """``k_scale`` / ``v_scale`` for the op layer over an FP8 ``cache`` (nothing for a cache in
+        the model's dtype), converted once a layer (again if the layer's scale objects change)."""
+        if not is_fp8(cache.dtype):
+            return {}
+        src = (getattr(layer, "k_scale", None), getattr(layer, "v_scale", None))
+        kept = self._scales.get(layer.layer_id)
+        if kept is None or kept[0] is not src[0] or kept[1] is not src[1]:
+            kept = (*src, self._scale(src[0], "k_scale", layer), self._scale(src[1], "v_scale", layer))
+            self._scales[layer.layer_id] = kept
+        return {"k_scale": kept[2], "v_scale": kept[3]}
+
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         md = self.forward_metadata
         if md is None:
@@ -204,9 +260,10 @@ class AttnplugSGLangBackend(AttentionBackend):
         pool = self.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         hkv, d = layer.tp_k_head_num, layer.qk_head_dim
+        scales = self._kv_scales(layer, k_buf)
         if save_kv_cache and k is not None and v is not None:
             loc = md.swa_out_cache_loc if is_swa else forward_batch.out_cache_loc
-            self.ops.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), k_buf, v_buf, loc)
+            self.ops.store_kv(k.view(-1, hkv, d), v.view(-1, hkv, d), k_buf, v_buf, loc, **scales)
         T, H = q.shape[0], layer.tp_q_head_num
         out = q.new_empty(T, H * layer.v_head_dim)
         window = None
@@ -227,6 +284,7 @@ class AttnplugSGLangBackend(AttentionBackend):
             softcap=cap,
             sinks=sinks,
             out=out.view(T, H, layer.v_head_dim),
+            **scales,
         )
         return out
 

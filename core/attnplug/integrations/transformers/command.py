@@ -3,13 +3,15 @@
 ``--model PATH`` loads a causal LM folder with ``from_pretrained(PATH,
 attn_implementation="attnplug")`` and its tokenizer when the folder has one; ``--tiny ARCH``
 builds a small random model offline (``tiny_model``; its 256-token vocabulary reads a
-``--prompt`` as UTF-8 bytes). Prints, per prompt, the new token ids (and the text, with a
-tokenizer), then a summary on stderr.
+``--prompt`` as UTF-8 bytes). ``--kv-cache-dtype fp8`` (``fp8_e4m3``, ``fp8_e5m2``) stores the
+KV cache in FP8 with every scale 1.0 (``Engine(kv_cache_dtype=...)``). Prints, per prompt, the
+new token ids (and the text, with a tokenizer), then a summary on stderr.
 
 Exit codes: 0 done; 2 the run cannot start (transformers missing, no tokenizer for
 ``--prompt``, bad ``--tokens``, a request longer than the model's positions, an unusable
 ``--device``, an unknown or unavailable backend, a malformed ``ATTNPLUG_*`` variable, a model or
-backend attnplug cannot run, pools that do not fit in memory); 130 / 143 when SIGINT / SIGTERM
+backend attnplug cannot run, a KV cache dtype the backend does not serve, pools that do not fit
+in memory); 130 / 143 when SIGINT / SIGTERM
 stopped it.
 """
 
@@ -23,6 +25,7 @@ from typing import List, Optional
 import torch
 
 from ...cli_errors import fail
+from ...memory.fp8 import KV_CACHE_DTYPE_NAMES
 
 __all__ = ["add_arguments", "run_command"]
 
@@ -62,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=sorted(_DTYPES),
         help="model and KV dtype (default: the model's own, or float32 for --tiny, when the backend serves it)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_CACHE_DTYPE_NAMES),
+        default="auto",
+        help="what the KV cache stores: auto (the model's dtype, default), fp8 / fp8_e4m3 (float8_e4m3fn) or "
+        "fp8_e5m2 (float8_e5m2), with every layer's scales 1.0",
     )
     parser.add_argument(
         "--graphs",
@@ -217,6 +227,7 @@ def run_command(args: argparse.Namespace) -> int:
             max_context_len=longest,
             cuda_graphs=args.graphs,
             compile=args.compile,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         outputs = engine.generate(prompts, args.max_new_tokens, eos_token_id=eos)
     except (MissingDependencyError, UnsupportedModelError, SelectionError, RegistryError, ValueError, OSError) as exc:
@@ -237,7 +248,8 @@ def run_command(args: argparse.Namespace) -> int:
     print(
         f"backend {engine.runner.backend.name}, {engine.runner.dtype}, {engine.runner.device}: "
         f"{run['tokens']} tokens in {seconds:.2f} s ({run['tokens'] / max(seconds, 1e-9):.1f} tok/s), "
-        f"steps {run['steps']}, graph steps {run['graph_steps']}",
+        f"steps {run['steps']}, graph steps {run['graph_steps']}, "
+        f"KV cache {str(engine.runner.kv_cache_dtype).replace('torch.', '')}",
         file=sys.stderr,
     )
     return 0

@@ -43,7 +43,7 @@ from ...graphs import EagerGraph
 from ...memory.args import host_int
 from ..choice import BackendArg
 from .progress import Progress
-from .runner import ModelRunner, _round_up, check_sizes, default_pool_sizes, live_window_slots
+from .runner import KVScales, ModelRunner, _round_up, check_sizes, default_pool_sizes, live_window_slots
 from .spec import model_spec
 
 __all__ = ["Engine"]
@@ -161,6 +161,9 @@ class Engine:
     graphs), False never. ``progress``: None shows a progress line on stderr only on a
     terminal and for runs longer than a second, True always, False never. ``compile``: as in
     ``ModelRunner`` (the DECODE graphs replay a ``torch.compile``-d model).
+    ``kv_cache_dtype`` / ``kv_scales``: as in ``ModelRunner`` (None / ``"auto"``: the model's
+    dtype; ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` or an FP8 dtype: an FP8 KV cache with the
+    per-layer scales of ``kv_scales``, 1.0 for the layers it does not name).
 
     Attributes: ``runner`` (the ``ModelRunner``), ``graphs`` (its ``GraphRunner`` or None),
     ``last_run`` (figures of the last ``generate``: steps per mode, graph steps, tokens,
@@ -181,6 +184,8 @@ class Engine:
         swa_pool_tokens: Optional[int] = None,
         progress: Optional[bool] = None,
         compile: Union[bool, str] = False,
+        kv_cache_dtype: Union[None, str, torch.dtype] = None,
+        kv_scales: Optional[KVScales] = None,
     ) -> None:
         check_sizes(
             max_batch_size=max_batch_size,
@@ -206,6 +211,8 @@ class Engine:
             full_pool_tokens=full if full_pool_tokens is None else full_pool_tokens,
             swa_pool_tokens=swa if swa_pool_tokens is None else swa_pool_tokens,
             compile=compile,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scales=kv_scales,
         )
         self.max_prefill_tokens = max_prefill_tokens
         self.progress = progress

@@ -1,12 +1,12 @@
 """``ModelRunner``: a transformers causal LM over attnplug's pools and one backend.
 
 The runner owns the KV memory of one model (``SWAKVPool``, ``ReqToTokenPool``,
-``SWATokenAllocator``, on the model's device, in the model's dtype) and the backend built for
-the model's ``ModelSpec``. ``forward`` runs ONE step of any ``ForwardMode``: the new tokens of
-every request of the step flattened into one sequence (batch dim 1), the backend's metadata
-prepared once, then the model with the step bound to its attention layers. The caller (an
-engine, ``Engine``, or a test) allocates slots, writes ``req_to_token`` and builds the
-``ForwardBatch``, as for any attnplug backend.
+``SWATokenAllocator``, on the model's device; the KV pool in the model's dtype, or an FP8 dtype
+with ``kv_cache_dtype``) and the backend built for the model's ``ModelSpec``. ``forward`` runs
+ONE step of any ``ForwardMode``: the new tokens of every request of the step flattened into one
+sequence (batch dim 1), the backend's metadata prepared once, then the model with the step
+bound to its attention layers. The caller (an engine, ``Engine``, or a test) allocates slots,
+writes ``req_to_token`` and builds the ``ForwardBatch``, as for any attnplug backend.
 
 Uniform steps (DECODE; TARGET_VERIFY / DRAFT_EXTEND with ``num_draft_tokens``) can run
 through a ``GraphRunner`` whose captured step is the whole model forward
@@ -17,13 +17,14 @@ stand-in otherwise.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ...batch import ForwardBatch, ForwardMode
 from ...graphs import GraphRunner
 from ...memory import ReqToTokenPool, SWAKVPool, SWATokenAllocator
+from ...memory.fp8 import host_scales, is_fp8, resolve_kv_cache_dtype
 from ..choice import BackendArg, backend_class
 from .attention import IMPLEMENTATION, BoundStep, bind_step, register
 from .errors import UnsupportedModelError
@@ -31,7 +32,11 @@ from .modules import attention_modules
 from .spec import ModelSpec, model_spec
 from .support import unsupported_reasons
 
-__all__ = ["ModelRunner", "default_pool_sizes", "live_window_slots", "check_sizes"]
+__all__ = ["ModelRunner", "default_pool_sizes", "live_window_slots", "check_sizes", "kv_cache_dtype_of", "KVScales"]
+
+#: per-layer FP8 KV scales: ``{layer_id: (k_scale, v_scale)}``, each a float (every KV head), a
+#: sequence of ``num_kv_heads`` floats or a tensor of 1 or ``num_kv_heads`` elements
+KVScales = Mapping[int, Tuple[Any, Any]]
 
 
 def _round_up(n: int, page: int) -> int:
@@ -70,6 +75,51 @@ def check_sizes(**sizes) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def kv_cache_dtype_of(kv_cache_dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model's KV pool stores for ``kv_cache_dtype`` (None or ``"auto"``: the model's;
+    ``"fp8"`` / ``"fp8_e4m3"``, ``"fp8_e5m2"`` or an FP8 ``torch.dtype``: that FP8 dtype;
+    ``attnplug.memory.fp8.resolve_kv_cache_dtype``). Any other value, or a dtype that is
+    neither the model's nor an FP8 one, raises ``ValueError`` naming the choices."""
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
+    if dtype != model_dtype and not is_fp8(dtype):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: the KV cache stores the model's dtype ({_dtype_name(model_dtype)}) "
+            "or an FP8 dtype (float8_e4m3fn, float8_e5m2: 'fp8', 'fp8_e4m3', 'fp8_e5m2')"
+        )
+    return dtype
+
+
+def _host_kv_scales(kv_scales, spec: ModelSpec, kv_dtype: torch.dtype) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    """``kv_scales`` checked on the host before anything is allocated: ``{layer: (k [Hkv],
+    v [Hkv])}`` float32 CPU tensors; ``ValueError`` naming the layer and the problem."""
+    if kv_scales is None:
+        return {}
+    if not is_fp8(kv_dtype):
+        raise ValueError(
+            f"kv_scales apply to an FP8 KV cache; this one stores {_dtype_name(kv_dtype)} (pass kv_cache_dtype='fp8')"
+        )
+    if not isinstance(kv_scales, Mapping):
+        raise ValueError(
+            f"kv_scales must be a mapping {{layer_id: (k_scale, v_scale)}}, got {type(kv_scales).__name__}"
+        )
+    out = {}
+    for layer, pair in kv_scales.items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
+            raise ValueError(f"kv_scales: {layer!r} is not a layer id of this model (0 .. {spec.num_layers - 1})")
+        if isinstance(pair, (str, bytes, torch.Tensor)) or not hasattr(pair, "__len__") or len(pair) != 2:
+            raise ValueError(f"kv_scales[{layer}] must be a pair (k_scale, v_scale), got {pair!r}")
+        k, v = pair
+        out[layer] = (
+            host_scales(k, spec.num_kv_heads, f"kv_scales[{layer}] k_scale"),
+            host_scales(v, spec.num_kv_heads, f"kv_scales[{layer}] v_scale"),
+        )
+    return out
+
+
 def _model_device_dtype(model) -> tuple:
     param = next(iter(model.parameters()), None)
     if param is None:
@@ -89,10 +139,23 @@ class ModelRunner:
     ``full_pool_tokens`` / ``swa_pool_tokens`` slots (defaults: ``default_pool_sizes`` with
     steps of up to ``max_context_len`` tokens); ``page_size`` slots per page.
 
+    KV cache: ``kv_cache_dtype`` None or ``"auto"`` stores the model's dtype; ``"fp8"`` /
+    ``"fp8_e4m3"`` (``torch.float8_e4m3fn``), ``"fp8_e5m2"`` (``torch.float8_e5m2``) or one of
+    those dtypes stores K and V in FP8, quantised at store by ``attnplug.memory.fp8``'s rule
+    (saturating, round to nearest even) with a float32 scale per layer and KV head.
+    ``kv_scales``: ``{layer_id: (k_scale, v_scale)}`` for the layers whose scales are not 1.0
+    (each a float for every KV head, ``num_kv_heads`` floats, or a tensor of 1 or
+    ``num_kv_heads`` elements; validated on the host before anything is allocated); every
+    other layer keeps 1.0, what vLLM uses without calibrated scales. To change a layer's scales
+    later, call ``runner.pool.set_kv_scales(layer_id, k, v)`` before the first step (the bytes
+    already stored keep the meaning of the scales they were stored with).
+
     Refused at construction with ``UnsupportedModelError`` and the reason: a model attnplug
     cannot express (``model_spec``), a backend lacking a capability the model needs (sliding
-    window, logit soft-capping, sinks, the model's dtype, head dim or ``page_size``), a backend
-    of another device type.
+    window, logit soft-capping, sinks, the model's dtype, head dim or ``page_size``, the FP8
+    KV cache dtype asked for), a backend of another device type; with ``ValueError``: a
+    ``kv_cache_dtype`` that is neither ``"auto"``, an FP8 name or dtype, nor the model's
+    dtype, and bad ``kv_scales``. Nothing is allocated before these checks.
 
     ``compile``: False runs the model eagerly everywhere; True (inductor) or a ``torch.compile``
     backend name compiles the model for the steps the ``GraphRunner`` captures, with each
@@ -101,8 +164,9 @@ class ModelRunner:
     never inside a capture; the graph then replays the compiled kernels.
 
     Attributes: ``model``, ``spec``, ``backend`` (the instance), ``pool``,
-    ``req_to_token_pool``, ``allocator``, ``device``, ``dtype``, ``vocab_size``, ``graphs``
-    (the ``GraphRunner`` once ``enable_graphs`` ran, else None), ``compile``.
+    ``req_to_token_pool``, ``allocator``, ``device``, ``dtype`` (the model's),
+    ``kv_cache_dtype`` (what the KV pool stores), ``vocab_size``, ``graphs`` (the
+    ``GraphRunner`` once ``enable_graphs`` ran, else None), ``compile``.
     """
 
     def __init__(
@@ -116,6 +180,8 @@ class ModelRunner:
         swa_pool_tokens: Optional[int] = None,
         full_pool_tokens: Optional[int] = None,
         compile: Union[bool, str] = False,
+        kv_cache_dtype: Union[None, str, torch.dtype] = None,
+        kv_scales: Optional[KVScales] = None,
     ) -> None:
         check_sizes(max_batch_size=max_batch_size, max_context_len=max_context_len, page_size=page_size)
         if not isinstance(compile, (bool, str)) or compile == "":
@@ -123,11 +189,15 @@ class ModelRunner:
         register()
         self.spec = model_spec(model.config)
         self.device, self.dtype = _model_device_dtype(model)
+        self.kv_cache_dtype = kv_cache_dtype_of(kv_cache_dtype, self.dtype)
+        scales = _host_kv_scales(kv_scales, self.spec, self.kv_cache_dtype)
         cls = backend_class(backend, self.device, UnsupportedModelError)
         caps = cls.installed_capabilities()
         if caps is None:
             raise UnsupportedModelError(f"backend {cls.name!r} declares no capabilities; cannot check it can run")
-        reasons = unsupported_reasons(caps, self.spec, dtype=self.dtype, page_size=page_size)
+        reasons = unsupported_reasons(
+            caps, self.spec, dtype=self.dtype, page_size=page_size, kv_cache_dtype=self.kv_cache_dtype
+        )
         if reasons:
             raise UnsupportedModelError(
                 f"backend {cls.name!r} cannot run this {self.spec.model_type} model: it lacks " + "; ".join(reasons)
@@ -157,10 +227,12 @@ class ModelRunner:
             swa_layer_ids=self.spec.swa_layer_ids,
             num_kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             device=self.device,
             page_size=page_size,
         )
+        for layer, (k_scale, v_scale) in scales.items():
+            self.pool.set_kv_scales(layer, k_scale, v_scale)
         self.req_to_token_pool = ReqToTokenPool(max_batch_size + 1, max_context_len, self.pool.device)
         self.allocator = SWATokenAllocator(self.pool)
         kwargs = {"logit_softcap": self.spec.logit_softcap} if self.spec.logit_softcap is not None else {}

@@ -16,6 +16,7 @@ from typing import Dict, List, Mapping, Optional
 import torch
 
 from ...backend import Capabilities
+from ...memory.fp8 import is_fp8
 from .spec import ARCHITECTURES, ModelSpec
 
 __all__ = [
@@ -42,10 +43,13 @@ def unsupported_reasons(
     dtype: Optional[torch.dtype] = None,
     page_size: Optional[int] = None,
     check_head_dim: bool = True,
+    kv_cache_dtype: Optional[torch.dtype] = None,
 ) -> List[str]:
     """What a backend with capabilities ``caps`` lacks to run ``spec`` exactly (one sentence
-    each; empty when it can). ``dtype`` (the model's and KV pool's dtype), ``page_size`` and the
-    head dim are checked when given / asked."""
+    each; empty when it can). ``dtype`` (the model's, and the KV pool's unless
+    ``kv_cache_dtype`` is an FP8 dtype), ``page_size``, the head dim and ``kv_cache_dtype`` (an
+    FP8 KV cache dtype, ``attnplug.memory.fp8``: served when the backend lists it in
+    ``fp8_kv_dtypes``) are checked when given / asked."""
     reasons: List[str] = []
     if spec.swa_layer_ids and not caps.sliding_window:
         reasons.append(f"sliding-window layers {sorted(spec.swa_layer_ids)} (capabilities: sliding_window=False)")
@@ -59,6 +63,11 @@ def unsupported_reasons(
         reasons.append(f"dtype {_name(dtype)} (supported: {', '.join(_name(d) for d in caps.dtypes)})")
     if page_size is not None and page_size not in caps.page_sizes:
         reasons.append(f"page_size {page_size} (supported: {', '.join(map(str, caps.page_sizes))})")
+    if kv_cache_dtype is not None and is_fp8(kv_cache_dtype):
+        served = tuple(getattr(caps, "fp8_kv_dtypes", ()))
+        if kv_cache_dtype not in served:
+            names = ", ".join(_name(d) for d in served) or "none"
+            reasons.append(f"an FP8 KV cache of {_name(kv_cache_dtype)} (capabilities: fp8_kv_dtypes = {names})")
     return reasons
 
 

@@ -2,9 +2,12 @@
 
 Its capabilities are the chosen attnplug backend's (``declared_capabilities()``), read once per
 process: dtypes, head sizes, sliding window, sinks; any block size (the op layer reads block
-tables of any size); the KV cache dtype of the model only (no FP8 yet); decoder attention only;
-CUDA graphs: none around attention (vLLM's piecewise graphs run it eagerly). A slot other than
-``CUSTOM`` gets a subclass whose ``get_name()`` is that slot's name (``slot_class_path``).
+tables of any size); the KV cache dtypes: ``auto`` (the model's) and the FP8 names
+(``fp8`` / ``fp8_e4m3``, ``fp8_e5m2``: ``attnplug.memory.fp8.KV_CACHE_DTYPE_NAMES``) whose dtype
+the backend's op layer lists in ``fp8_kv_dtypes``, with per-layer or per-KV-head scales;
+decoder attention only; CUDA graphs: none around attention (vLLM's piecewise graphs run it
+eagerly). A slot other than ``CUSTOM`` gets a subclass whose ``get_name()`` is that slot's name
+(``slot_class_path``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from ...memory.fp8 import KV_CACHE_DTYPE_NAMES
 from .selection import attnplug_class
 
 __all__ = ["AttnplugBackend", "slot_class_path"]
@@ -28,7 +32,8 @@ class AttnplugBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    #: the names attnplug knows; ``supports_kv_cache_dtype`` keeps those the op layer serves
+    supported_kv_cache_dtypes: ClassVar[list] = list(KV_CACHE_DTYPE_NAMES)
     #: the vLLM name this class answers to
     slot: ClassVar[str] = "CUSTOM"
 
@@ -64,6 +69,19 @@ class AttnplugBackend(AttentionBackend):
     @classmethod
     def supports_dtype(cls, dtype: torch.dtype) -> bool:
         return dtype in attnplug_class()[1].dtypes
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        from .metadata import served_kv_cache_dtypes
+
+        return kv_cache_dtype is None or kv_cache_dtype in served_kv_cache_dtypes()
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        # the op layer takes a scale per KV head ([Hkv]) as well as one per layer
+        from .metadata import served_kv_cache_dtypes
+
+        return any(KV_CACHE_DTYPE_NAMES[name] is not None for name in served_kv_cache_dtypes())
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

@@ -17,6 +17,14 @@ In float32 the tokens must be equal; in half precision (a GPU run) two kernels m
 near tie apart, so agreement below ``--min-agreement`` (default 0.95) fails. ``--throughput``
 also times a batch of generations on each backend (tokens per second, after one warm-up).
 
+``--kv-cache-dtype fp8`` (``fp8_e4m3``, ``fp8_e5m2``) runs both backends over an FP8 KV cache
+(vLLM's layers' scales: 1.0 for these models, which carry none). attnplug's tokens are then
+judged against attnplug's own ``Engine`` over the same FP8 cache on the reference backend
+(float32, on the host: ``engine_check.engine_tokens``), by ``--min-agreement`` (two float32
+computations of a k/v value may round to neighbouring FP8 values and flip a near tie), and every
+attnplug layer in the worker must have been built for that cache; vLLM's own backend and
+transformers (an unquantised cache) are shown beside them.
+
 Each backend runs in its own Python process (``--child``): vLLM's plugin loader runs once per
 process, and the slot ``ATTNPLUG_VLLM_SLOTS`` takes over is fixed there. Exit codes: 0 all
 agree, 1 a disagreement or a missing call, 2 the run cannot start.
@@ -33,6 +41,7 @@ import time
 from typing import Any, Dict, List
 
 from ...cli_errors import fail
+from ...memory.fp8 import KV_CACHE_DTYPE_NAMES
 from ..engine_check import (
     CHUNK_BUDGET,
     ENGINE_MODELS,
@@ -43,6 +52,7 @@ from ..engine_check import (
     add_common_arguments,
     check_row,
     collect_child,
+    engine_tokens,
     model_names,
     module_main,
     prepare_models,
@@ -69,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--throughput", action="store_true", help="also time 64 prompts x 64 new tokens on each backend"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_CACHE_DTYPE_NAMES),
+        default="auto",
+        help="vLLM's kv_cache_dtype for both backends (default auto: the model's dtype); with an FP8 one, attnplug "
+        "is judged against its own Engine over the same FP8 cache",
     )
 
 
@@ -98,6 +115,7 @@ def _run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
             max_num_batched_tokens=CHUNK_BUDGET if chunked else MAX_MODEL_LEN,
             max_num_seqs=max(8, len(inputs)),
             seed=0,
+            kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         )
         if spec.get("attention_backend"):
             kwargs["attention_backend"] = spec["attention_backend"]
@@ -154,13 +172,22 @@ def run_command(args: argparse.Namespace) -> int:
     dtype = "float32" if host else "bfloat16"
     where = current_platform.device_type
     print(
-        f"vllm-check: vLLM {vllm.__version__} on {where}: attnplug ({slot}) vs {compare} vs transformers",
+        f"vllm-check: vLLM {vllm.__version__} on {where}: attnplug ({slot}) vs {compare} vs transformers"
+        + (
+            f", KV cache {args.kv_cache_dtype} (judged against attnplug's Engine over it)"
+            if args.kv_cache_dtype != "auto"
+            else ""
+        ),
         file=sys.stderr,
     )
 
     work, token_prompts, paths, reference = prepare_models(names, args.work, "vllm")
+    kv = args.kv_cache_dtype
+    fp8 = KV_CACHE_DTYPE_NAMES[kv] is not None
+    # over an FP8 cache: attnplug's own Engine over the same cache is the reference
+    ours_ref = {n: engine_tokens(paths[n], token_prompts, MAX_NEW_TOKENS, kv) for n in names} if fp8 else {}
     runs = [{"model": n, "path": paths[n], "mode": m} for n in names for m in MODES]
-    base = dict(prompts=token_prompts, runs=runs, host=host, dtype=dtype, throughput=args.throughput)
+    base = dict(prompts=token_prompts, runs=runs, host=host, dtype=dtype, throughput=args.throughput, kv_cache_dtype=kv)
     # on the host the two backends run side by side (threads unbound); on an accelerator one after the other
     side_by_side = host and not args.throughput
     specs = [
@@ -181,27 +208,34 @@ def run_command(args: argparse.Namespace) -> int:
     rows: List[Row] = []
     for run in runs:
         key = f"{run['model']}/{run['mode']}"
-        row = Row(
-            run["model"],
-            run["mode"],
-            {"attnplug": ours[key]["tokens"], "vllm": theirs[key]["tokens"], "transformers": reference[run["model"]]},
-            calls=ours[key]["calls"],
-        )
+        tokens = {
+            "attnplug": ours[key]["tokens"],
+            "vllm": theirs[key]["tokens"],
+            "transformers": reference[run["model"]],
+        }
+        if fp8:
+            tokens["engine"] = ours_ref[run["model"]]
+        row = Row(run["model"], run["mode"], tokens, calls=ours[key]["calls"])
         calls = row.calls or {}
         check_row(
             row,
             ENGINE_MODELS[run["model"]],
-            ("vllm", "transformers"),
-            exact=dtype == "float32",
+            ("engine",) if fp8 else ("vllm", "transformers"),
+            exact=dtype == "float32" and not fp8,
             min_agreement=args.min_agreement,
             ran=bool(calls.get("attend") and calls.get("store")),
             features=[f for f in ("window", "softcap", "sinks") if calls.get(f)],
             where="vLLM's worker",
         )
+        if fp8 and calls.get(f"kv_cache:{kv}", 0) != calls.get("layers", 0):
+            row.problems.append(
+                f"{calls.get(f'kv_cache:{kv}', 0)} of {calls.get('layers', 0)} attnplug layers were built for "
+                f"kv_cache_dtype={kv!r}"
+            )
         if theirs[key]["calls"]:
             row.problems.append(f"attnplug ran in the {compare} run: {theirs[key]['calls']}")
         rows.append(row)
-    print(table(rows, ["attnplug", "vllm", "transformers"], "attnplug"))
+    print(table(rows, ["attnplug", "vllm", "transformers"] + (["engine"] if fp8 else []), "attnplug"))
     if args.throughput:
         for run in runs:
             key = f"{run['model']}/{run['mode']}"
@@ -212,7 +246,11 @@ def run_command(args: argparse.Namespace) -> int:
                 )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"vllm": vllm.__version__, "compare": compare, "ours": ours, "theirs": theirs}, f, indent=1)
+            json.dump(
+                {"vllm": vllm.__version__, "compare": compare, "kv_cache_dtype": kv, "ours": ours, "theirs": theirs},
+                f,
+                indent=1,
+            )
     failed = [r for r in rows if r.problems]
     print(f"vllm-check: {len(rows) - len(failed)}/{len(rows)} runs agree", file=sys.stderr)
     return 1 if failed else 0

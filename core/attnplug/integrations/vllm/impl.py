@@ -5,10 +5,17 @@ skipped); ``forward`` attends (``PagedOps.attend``) into vLLM's ``output``. vLLM
 layer arrives as ``[num_blocks, Hkv, block_size, 2 * D]`` in logical order over the ``LBNHC``
 layout; its K and V halves are views with one slot stride, read in place.
 
+FP8 KV cache (``kv_cache_dtype`` ``"fp8"`` / ``"fp8_e4m3"``: float8_e4m3fn, ``"fp8_e5m2"``:
+float8_e5m2, where the op layer lists the dtype in ``fp8_kv_dtypes``): vLLM allocates the cache
+as bytes (uint8), read here as that FP8 dtype; ``store_kv`` quantises the model-dtype key and
+value with the layer's ``_k_scale`` / ``_v_scale`` (float32 device tensors of one element, or
+one per KV head: vLLM's per-head scales) by ``attnplug.memory.fp8``'s rule, and ``attend``
+reads the dequantised cache. The scales stay on the device (no host read per call).
+
 Refused at construction, with the reason (``NotImplementedError``): ALiBi, an attention type
-other than decoder, a KV cache dtype other than the model's, a soft-cap or sinks the chosen
-attnplug backend does not declare. ``calls`` counts this process's stores and attends (what a
-test reads to prove attnplug ran in vLLM's worker).
+other than decoder, a KV cache dtype other than the model's and the FP8 ones the op layer
+serves, a soft-cap or sinks the chosen attnplug backend does not declare. ``calls`` counts
+this process's stores and attends (what a test reads to prove attnplug ran in vLLM's worker).
 """
 
 from __future__ import annotations
@@ -19,19 +26,34 @@ from typing import Optional
 import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from .metadata import AttnplugMetadata, ops_for
+from ...memory.fp8 import KV_CACHE_DTYPE_NAMES
+from .metadata import AttnplugMetadata, ops_for, platform_ops, served_kv_cache_dtypes
 from .selection import attnplug_class
 
 __all__ = ["AttnplugImpl", "calls"]
 
-#: this process's op calls: "store", "attend", "layers" (impls built), "backend:<name>", and the
-#: layers built with each feature ("window", "softcap", "sinks")
+#: this process's op calls: "store", "attend", "layers" (impls built), "backend:<name>", the
+#: layers built with each feature ("window", "softcap", "sinks") and with each FP8 cache dtype
+#: ("kv_cache:<vLLM's name>")
 calls: Counter = Counter()
 
 
 def _refuse(what: str) -> None:
     cls, _ = attnplug_class()
     raise NotImplementedError(f"attnplug ({cls.name} backend) inside vLLM: {what}")
+
+
+def _fp8_dtype(kv_cache_dtype) -> Optional[torch.dtype]:
+    """The FP8 dtype of vLLM's ``kv_cache_dtype`` name (None: ``auto``, the model's dtype);
+    refuses a name attnplug does not know or whose dtype the op layer does not serve."""
+    name = "auto" if kv_cache_dtype is None else kv_cache_dtype
+    served = served_kv_cache_dtypes()
+    if name not in served:
+        _refuse(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported (the {platform_ops().name} op layer serves "
+            f"{', '.join(repr(n) for n in served)})"
+        )
+    return KV_CACHE_DTYPE_NAMES[name]
 
 
 class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
@@ -57,8 +79,7 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
             _refuse("ALiBi slopes are not supported")
         if attn_type != AttentionType.DECODER:
             _refuse(f"attention type {attn_type!r} is not supported (decoder only)")
-        if kv_cache_dtype not in ("auto", None):
-            _refuse(f"kv_cache_dtype={kv_cache_dtype!r} is not supported (the model's dtype only)")
+        fp8_dtype = _fp8_dtype(kv_cache_dtype)
         if logits_soft_cap not in (None, 0, 0.0) and not caps.logit_softcap:
             _refuse("logit soft-capping is not declared by this backend")
         if sinks is not None and not caps.attention_sinks:
@@ -74,6 +95,8 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.kv_cache_dtype = kv_cache_dtype
+        #: the FP8 dtype the cache's bytes hold (None: the cache is in the model's dtype)
+        self.fp8_dtype = fp8_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
@@ -83,12 +106,36 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         for feature, used in (("window", self.sliding_window), ("softcap", self.logits_soft_cap), ("sinks", sinks)):
             if used is not None:
                 calls[feature] += 1
+        if fp8_dtype is not None:
+            calls[f"kv_cache:{kv_cache_dtype}"] += 1
 
     def _caches(self, kv_cache: torch.Tensor):
         """The K and V halves of vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache, as
-        ``[num_blocks, block_size, Hkv, D]`` views."""
+        ``[num_blocks, block_size, Hkv, D]`` views (an FP8 cache: its bytes read as the FP8
+        dtype)."""
+        if self.fp8_dtype is not None and kv_cache.dtype != self.fp8_dtype:
+            if kv_cache.dtype != torch.uint8:
+                raise ValueError(
+                    f"attnplug inside vLLM: kv_cache_dtype={self.kv_cache_dtype!r} but the layer's cache is "
+                    f"{kv_cache.dtype} (expected vLLM's uint8 bytes or {self.fp8_dtype})"
+                )
+            kv_cache = kv_cache.view(self.fp8_dtype)
         kv = kv_cache.transpose(1, 2)
         return kv[..., : self.head_size], kv[..., self.head_size :]
+
+    def _scales(self, layer) -> dict:
+        """The layer's FP8 scales as the op layer takes them (``k_scale`` / ``v_scale``: vLLM's
+        ``layer._k_scale`` / ``layer._v_scale``, float32 on the device); nothing for a cache in
+        the model's dtype."""
+        if self.fp8_dtype is None:
+            return {}
+        k, v = getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
+        if k is None or v is None:
+            raise ValueError(
+                f"attnplug inside vLLM: an FP8 KV cache ({self.kv_cache_dtype}) needs the layer's _k_scale and "
+                f"_v_scale (vLLM's attention layer sets them), got a {type(layer).__name__} without them"
+            )
+        return {"k_scale": k, "v_scale": v}
 
     def _sinks(self) -> Optional[torch.Tensor]:
         """The layer's sinks as the op layer takes them (float32, contiguous), converted once
@@ -103,7 +150,7 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
         if self.kv_sharing_target_layer_name is not None:
             return  # the layer reads another layer's cache, which that layer stores
         k_cache, v_cache = self._caches(kv_cache)
-        ops_for(kv_cache.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
+        ops_for(kv_cache.device).store_kv(key, value, k_cache, v_cache, slot_mapping, **self._scales(layer))
         calls["store"] += 1
 
     def forward(
@@ -135,6 +182,7 @@ class AttnplugImpl(AttentionImpl[AttnplugMetadata]):
             softcap=self.logits_soft_cap,
             sinks=self._sinks(),
             out=out[:n],
+            **self._scales(layer),
         )
         calls["attend"] += 1
         return output

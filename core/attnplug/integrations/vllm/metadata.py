@@ -15,10 +15,11 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
 
+from ...memory.fp8 import KV_CACHE_DTYPE_NAMES
 from ...ops import PagedOps, PagedStep
 from .selection import attnplug_class
 
-__all__ = ["AttnplugMetadata", "AttnplugMetadataBuilder", "ops_for"]
+__all__ = ["AttnplugMetadata", "AttnplugMetadataBuilder", "ops_for", "platform_ops", "served_kv_cache_dtypes"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,6 +32,21 @@ def ops_for(device) -> PagedOps:
     """The chosen attnplug backend's op layer on ``device`` (one per device and process)."""
     device = torch.device(device)
     return _ops(device.type, device.index)
+
+
+def platform_ops() -> PagedOps:
+    """The op layer on vLLM's platform device type (what the backend class and the impls check
+    a configuration against, e.g. the FP8 cache dtypes it serves)."""
+    from vllm.platforms import current_platform
+
+    return ops_for(current_platform.device_type or "cpu")
+
+
+def served_kv_cache_dtypes() -> list:
+    """vLLM's ``kv_cache_dtype`` names attnplug serves on vLLM's platform: ``auto``, and each FP8
+    name whose dtype the chosen backend's op layer lists in ``fp8_kv_dtypes``."""
+    fp8 = platform_ops().fp8_kv_dtypes
+    return [name for name, dtype in KV_CACHE_DTYPE_NAMES.items() if dtype is None or dtype in fp8]
 
 
 @dataclass

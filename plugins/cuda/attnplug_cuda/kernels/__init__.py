@@ -6,9 +6,10 @@ module              what it does (the Triton kernel's name, as profiler traces s
 ``pdl``             ``pdl_supported(device)``: may kernels use Programmatic Dependent Launch;
                     ``Schedule``: where a launch waits and releases
 ``common``          what the attention kernels share: ``KeyTable``, ``NewRows``, logits and
-                    online-softmax steps, the sink, the PDL points, host checks and scales
+                    online-softmax steps, the sink, the PDL points, host checks and scales;
+                    an FP8 cache's ``KVScales`` and its one quantisation (``quantize_kv``)
 ``kv_store``        ``kv_store`` (``_kv_store_kernel``): write one step's k/v rows into a
-                    layer's cache
+                    layer's cache (quantised into an FP8 cache)
 ``step_metadata``   ``step_metadata`` (``_step_metadata_kernel``): ONE launch per step: SWA
                     slot translation (tail zeroed), ``cu_q_lens``, ``window_start``,
                     ``token_pos``, the SWA window table

@@ -18,6 +18,18 @@ that says how.
   contributes exactly zero whatever its slot holds, NaN and Inf included.
 * Sinks: float32 ``[H]`` per-head logits (natural log) that join the softmax denominator
   once (``fold_sink``).
+* FP8 caches (``attnplug.memory.fp8``: ``float8_e4m3fn`` / ``float8_e5m2``, per-KV-head float32
+  scales, ``KVScales``): whether a cache is FP8 is a constexpr of each kernel, read off the
+  cache's element type, so an unquantised cache compiles no scale load and no quantisation.
+  Stores quantise with ``quantize_kv`` (the one rule, bit for bit); K/V tiles are loaded as
+  FP8 and converted to q's dtype in registers (exact: every FP8 value is a float16, bfloat16
+  and float32 value). Attention never multiplies a key or a value by its scale: a program
+  serves one KV head ``h``, so ``k_scale[h]`` joins the logit scale
+  (``s = (sm_scale * k_scale[h]) * q.c``, soft cap applied to that dequantised logit) and
+  ``v_scale[h]`` multiplies the program's output accumulator (a split's partial included, so
+  the merge of the splits is unchanged). The step's own keys, where a kernel reads them from
+  ``k`` / ``v`` instead of the cache, are quantised there too: attention always sees what the
+  cache holds.
 
 Optional inputs are ``None`` in a kernel's arguments (Triton compiles the branch out), never a
 flag beside a placeholder tensor.
@@ -33,15 +45,20 @@ import torch
 import triton
 import triton.language as tl
 
+from attnplug.memory.fp8 import FP8_KV_DTYPES, is_fp8
+
 __all__ = [
     "AttentionInputs",
     "KeyTable",
+    "KVScales",
     "NewRows",
     "check_attention_args",
+    "check_kv_scales",
     "check_new_rows",
     "log2_scales",
     "num_sms",
     "DTYPES",
+    "FP8_KV_DTYPES",
 ]
 
 LOG2E = 1.4426950408889634
@@ -49,7 +66,8 @@ LOG2E = 1.4426950408889634
 #: address whose alignment matters: Triton does not specialise on them (``do_not_specialize``),
 #: so a world whose cache holds 513 slots, or whose window is 16, compiles no kernel of its own
 VALUES_ONLY = ("window", "num_kv_heads", "num_slots")
-#: the dtypes of q, the cache and the output every attention kernel serves
+#: the dtypes of q, k, v, an unquantised cache and the output every kernel serves (a cache may
+#: also store one of ``FP8_KV_DTYPES``, with ``KVScales``)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -72,13 +90,33 @@ class KeyTable(NamedTuple):
         return cls(table, rows, start, table.stride(0), table.shape[1], table.shape[0])
 
 
+class KVScales(NamedTuple):
+    """An FP8 cache's scales (``attnplug.memory.fp8``); a kernel argument as it is.
+
+    ``k``, ``v``: float32 ``[Hkv]`` device tensors, a stored byte ``c`` of KV head ``h`` meaning
+    ``c * k[h]`` (keys) or ``c * v[h]`` (values); ``stride_k`` / ``stride_v`` their element
+    strides (0 for one value expanded over every head: ``PagedOps.check_scales``' views, passed
+    without a copy). Read on the device only, after the launch's PDL wait, so a graph replays
+    whatever they hold then (``KVScales.of`` fills the strides in)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    stride_k: int
+    stride_v: int
+
+    @classmethod
+    def of(cls, k_scale: torch.Tensor, v_scale: torch.Tensor) -> "KVScales":
+        return cls(k_scale, v_scale, k_scale.stride(0), v_scale.stride(0))
+
+
 class AttentionInputs(NamedTuple):
     """What one layer's attention reads besides q, the cache and the output (host side; the
     launchers pass its fields on): ``cu_q_lens`` [bs + 1] int32 (exclusive prefix sum of the
     new tokens per request), ``seq_lens`` [bs] int32/int64 (each request's KV length INCLUDING
     its new tokens), ``keys`` (``KeyTable``), ``max_q_len`` (a host bound of a request's new
     tokens), ``sm_scale`` (None: ``1 / sqrt(D)``), ``window`` (None: a full layer), ``softcap``
-    (None, or ``c > 0``: logits ``c * tanh(s / c)``), ``sinks`` (None, or float32 ``[H]``)."""
+    (None, or ``c > 0``: logits ``c * tanh(s / c)``), ``sinks`` (None, or float32 ``[H]``),
+    ``kv_scales`` (``KVScales`` of an FP8 cache; None for an unquantised one)."""
 
     cu_q_lens: torch.Tensor
     seq_lens: torch.Tensor
@@ -88,12 +126,14 @@ class AttentionInputs(NamedTuple):
     window: Optional[int] = None
     softcap: Optional[float] = None
     sinks: Optional[torch.Tensor] = None
+    kv_scales: Optional[KVScales] = None
 
 
 class NewRows(NamedTuple):
     """The step's new K/V rows a kernel stores before it attends: ``k``, ``v`` [T, Hkv, D] in
-    q's dtype (last dim contiguous, heads dense, token strides free), ``loc`` [>= T]
-    int32/int64 (a slot in ``[1, S)`` is stored, anything else skipped)."""
+    q's dtype (last dim contiguous, heads dense, token strides free; an FP8 cache stores them
+    quantised: ``quantize_kv``), ``loc`` [>= T] int32/int64 (a slot in ``[1, S)`` is stored,
+    anything else skipped)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -115,6 +155,55 @@ def tanh(x):
     (tanh(15) rounds to 1 in fp32): never inf, never NaN."""
     e = tl.math.exp2(tl.minimum(tl.maximum(x, -15.0), 15.0) * 2.8853900817779268)  # 2 * log2(e)
     return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def quantize_kv(x, scale, FP8: tl.constexpr):
+    """``x`` (any float tensor) stored as the FP8 type ``FP8`` (``tl.float8e4nv`` for
+    ``float8_e4m3fn``, ``tl.float8e5`` for ``float8_e5m2``) with ``scale`` (float32 > 0, a scalar
+    or ``x``'s shape): ``attnplug.memory.fp8.quantize_kv``'s rule, bit for bit,
+    ``c = fp8(clamp(float32(x) / scale, -max, max))``, NaN staying NaN.
+
+    No float-to-FP8 conversion is used (the interpreter's rounds half up and wraps a mantissa
+    carry, and neither saturates): the byte is computed in integers and bitcast. With ``M``
+    mantissa bits, ``E`` the smallest normal exponent (e4m3fn: ``M = 3, E = -6``; e5m2:
+    ``M = 2, E = -14``) and ``y = div_rn(float32(x), scale)`` (IEEE division; its bits ``a``
+    without the sign):
+
+    * saturate: ``a = min(a, bits(max))`` (ordered like the magnitudes for every non-NaN,
+      ``+-inf`` included); a NaN (``a > 0x7F800000``) becomes the format's NaN, ``0x7F``;
+    * ``y``'s significand ``m = 1.f`` as a 24-bit integer (``f`` the 23 fraction bits; a zero
+      or float32 subnormal shifts out entirely) and unbiased exponent ``e``: the FP8 grid at
+      ``e`` has spacing ``2**(max(e, E) - M)``, i.e. ``m >> s`` with
+      ``s = 23 - M + max(E - e, 0)`` (capped at 31: everything below half the smallest
+      subnormal rounds to 0);
+    * round to nearest, ties to even: ``q = m >> s``, plus 1 when the remainder
+      ``r = m - (q << s)`` is above half (``1 << (s - 1)``), or equal to it with ``q`` odd;
+    * the byte: ``(max(e - E, 0) << M) + q`` (a normal ``q`` holds the implicit bit, which
+      adds the exponent field's 1; a carry to ``q = 2 << M`` moves to the next exponent, a
+      subnormal rounding up to ``1 << M`` becomes the smallest normal), ``| sign`` (``x``'s
+      sign bit: a scale is positive).
+
+    Returns ``x``'s shape of ``FP8``; ``.to(dtype)`` of it is exact for float16, bfloat16 and
+    float32."""
+    MANT: tl.constexpr = 3 if FP8 == tl.float8e4nv else 2
+    E_MIN: tl.constexpr = -6 if FP8 == tl.float8e4nv else -14
+    MAX_BITS: tl.constexpr = 0x43E00000 if FP8 == tl.float8e4nv else 0x47600000  # 448.0 / 57344.0
+    xf = x.to(tl.float32)
+    sign = (xf.to(tl.int32, bitcast=True) >> 24) & 0x80
+    a = tl.math.div_rn(xf, scale).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    a = tl.minimum(a, MAX_BITS)
+    e = (a >> 23) - 127
+    m = (a & 0x7FFFFF) | 0x800000
+    s = tl.minimum(23 - MANT + tl.maximum(E_MIN - e, 0), 31)
+    q = m >> s
+    r = m - (q << s)
+    half = 1 << (s - 1)
+    q += ((r > half) | ((r == half) & ((q & 1) == 1))).to(tl.int32)
+    code = (tl.maximum(e - E_MIN, 0) << MANT) + q
+    code = tl.where(is_nan, 0x7F, code) | sign
+    return code.to(tl.uint8).to(FP8, bitcast=True)
 
 
 @triton.jit
@@ -231,8 +320,9 @@ def check_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, inputs: AttentionInputs
 ) -> Tuple[int, int, int, int, int, int]:
     """The host checks of every attention launcher (shapes, dtypes, devices, layouts, the
-    scalar options); returns ``(T, H, D, Hkv, G, bs)``. The caches may be strided views (slot
-    and head strides free, the same for K and V); a launcher that needs them contiguous says so."""
+    scalar options, an FP8 cache's ``inputs.kv_scales``: ``check_kv_scales``); returns
+    ``(T, H, D, Hkv, G, bs)``. The caches may be strided views (slot and head strides free,
+    the same for K and V); a launcher that needs them contiguous says so."""
     assert q.dim() == 3 and out.shape == q.shape, f"q {tuple(q.shape)} and out {tuple(out.shape)} must be [T, H, D]"
     T, H, D = q.shape
     assert k_cache.dim() == 3 and k_cache.shape[2] == D, f"k_cache must be [S, Hkv, {D}], got {tuple(k_cache.shape)}"
@@ -244,11 +334,16 @@ def check_attention_args(
     hkv = k_cache.shape[1]
     assert H % hkv == 0, f"{H} q heads are not a multiple of {hkv} kv heads"
     assert q.dtype in DTYPES, f"q dtype {q.dtype} is not one of {DTYPES}"
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        assert t.dtype == q.dtype, f"{name} is {t.dtype}, q is {q.dtype}"
+    assert out.dtype == q.dtype, f"out is {out.dtype}, q is {q.dtype}"
+    assert v_cache.dtype == k_cache.dtype, f"v_cache is {v_cache.dtype}, k_cache is {k_cache.dtype}"
+    assert k_cache.dtype == q.dtype or is_fp8(k_cache.dtype), (
+        f"the cache is {k_cache.dtype}, q is {q.dtype}: a cache stores q's dtype or one of {FP8_KV_DTYPES}"
+    )
     assert q.stride(2) == 1 and out.stride(2) == 1, "q and out need a contiguous last dim"
     assert D >= 16, f"head_dim {D} < 16 is not supported"
-    cu_q_lens, seq_lens, keys, max_q_len, _, window, softcap, sinks = inputs
+    check_kv_scales(inputs.kv_scales, k_cache)
+    cu_q_lens, seq_lens, keys, max_q_len = inputs.cu_q_lens, inputs.seq_lens, inputs.keys, inputs.max_q_len
+    window, softcap, sinks = inputs.window, inputs.softcap, inputs.sinks
     bs = cu_q_lens.shape[0] - 1
     assert isinstance(max_q_len, int), "max_q_len is a host int"
     assert cu_q_lens.dim() == 1 and bs >= 0 and cu_q_lens.dtype == torch.int32, "cu_q_lens must be [bs + 1] int32"
@@ -275,6 +370,24 @@ def check_attention_args(
         )
         assert sinks.device == q.device, f"sinks is on {sinks.device}, q on {q.device}"
     return T, H, D, hkv, H // hkv, bs
+
+
+def check_kv_scales(scales: Optional[KVScales], k_cache: torch.Tensor) -> None:
+    """An FP8 cache needs ``scales`` (``KVScales``: float32 ``[Hkv]`` tensors on the cache's
+    device, strides as ``KVScales.of`` reads them); an unquantised cache takes None (no kernel
+    of it loads a scale)."""
+    if not is_fp8(k_cache.dtype):
+        assert scales is None, f"kv_scales are for an FP8 cache, the cache is {k_cache.dtype}"
+        return
+    assert isinstance(scales, KVScales), f"an FP8 cache ({k_cache.dtype}) needs KVScales, got {type(scales).__name__}"
+    hkv = k_cache.shape[1]
+    for name, t, stride in (("k_scale", scales.k, scales.stride_k), ("v_scale", scales.v, scales.stride_v)):
+        assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (hkv,), (
+            f"{name} must be float32 [{hkv}] (one per kv head), got "
+            + (f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+        )
+        assert stride == t.stride(0) and stride >= 0, f"{name}: stride {stride} is not the tensor's {t.stride(0)}"
+        assert t.device == k_cache.device, f"{name} is on {t.device}, the cache on {k_cache.device}"
 
 
 def check_new_rows(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, q: torch.Tensor, num_kv_heads: int) -> None:

@@ -10,8 +10,9 @@ q, out        [T, H, D] fp16/bf16/fp32   rows ``cu_q_lens[b] .. cu_q_lens[b+1]``
                                          request ``b`` (every row belongs to a request);
                                          last dim contiguous, other strides free
 k_cache,      [S, Hkv, D], q's dtype     last dim contiguous; slot and head strides
-v_cache                                  free, the same for both (an engine's K/V
-                                         halves of one interleaved cache are fine)
+v_cache       or an FP8 dtype            free, the same for both (an engine's K/V
+                                         halves of one interleaved cache are fine); an
+                                         FP8 cache with ``inputs.kv_scales``
 cu_q_lens     [bs + 1] int32             exclusive prefix sum of the new tokens per request
 seq_lens      [bs] int32/int64           KV length of each request INCLUDING its new tokens
 keys          ``common.KeyTable``        where each request's keys are
@@ -19,9 +20,9 @@ keys          ``common.KeyTable``        where each request's keys are
 
 Semantics: new token ``i`` of request ``b`` sits at position ``p = seq_len - q_len_b + i`` and
 attends to keys ``lo <= j <= p`` with ``lo = max(0, p - W + 1)`` under a window ``W``, else
-0; q head ``h`` uses kv head ``h // G``. Logits, the soft cap, sinks and what is no key as
-``common`` says; accumulation is fp32, the output has q's dtype. A query with no valid key (a
-padded request) outputs zeros.
+0; q head ``h`` uses kv head ``h // G``. Logits, the soft cap, sinks, what is no key and an
+FP8 cache's scales as ``common`` says; accumulation is fp32, the output has q's dtype. A query
+with no valid key (a padded request) outputs zeros.
 
 Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV split):
 
@@ -51,7 +52,8 @@ Storing the step (``loc``, decode and draft steps whose rows fit one tile): ever
 first stores kv head ``hk`` of its request's new K/V rows (the programs of one group's KV
 splits write the same bytes), then a CTA barrier orders those stores before its reads of the
 cache, so the layer needs no KV store launch; the cache and the output are those of
-``kv_store`` followed by this kernel.
+``kv_store`` followed by this kernel (an FP8 cache: the rows stored quantised, and read back
+as every other key).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from .common import (
     log2_scales,
     pdl_release,
     pdl_wait,
+    quantize_kv,
     scaled_logits,
     softmax_block,
     table_entry,
@@ -114,7 +117,8 @@ def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo
     ``MASKED=False`` only for blocks every row sees whole (no causal / window / range mask);
     a column with no key is no key in both kinds of block. With ``EVEN_D`` (head dim ==
     BLOCK_D) the load mask is constant along the head dim, so K/V rows load as full-width
-    vectors."""
+    vectors. An FP8 cache's stored values are used as they are (``qk_scale`` holds the kv
+    head's ``k_scale``; the caller multiplies the result by its ``v_scale``)."""
     PRECISION: tl.constexpr = "ieee" if q.dtype == tl.float32 else "tf32"
     offs_n, slot, has_key = key_slots(t_row, start, s_hi, t_start, width, num_slots, BLOCK_N, MASKED)
     if EVEN_D:
@@ -123,12 +127,13 @@ def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo
         kv_mask = has_key[:, None] & d_valid[None, :]
     no_key = tl.where(has_key, 0.0, float("-inf"))
     kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    # (an FP8 cache's tiles are converted to q's dtype in registers, exactly; others are q's)
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     qk = scaled_logits(tl.dot(q, tl.trans(k), input_precision=PRECISION), no_key, qk_scale, softcap_log2)
     if MASKED:
         qk = causal_window(qk, offs_n, offs_n < s_hi, pos, lo, window)
     p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_i
 
@@ -145,6 +150,7 @@ def _paged_attention_kernel(
     SeqLens,
     keys,  # KeyTable
     Sinks,  # [H] float32 sink logits (natural log), or None
+    Scales,  # common.KVScales of an FP8 cache, or None
     qk_scale,  # sm_scale * log2(e); with a soft cap: sm_scale / c
     softcap_log2,  # c * log2(e), or None: no soft cap
     window,  # int, or None: no window
@@ -167,6 +173,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr = PLAN.BLOCK_M
     BLOCK_N: tl.constexpr = PLAN.BLOCK_N
     NUM_SPLITS: tl.constexpr = PLAN.NUM_SPLITS
+    KV_FP8: tl.constexpr = K.dtype.element_ty.is_fp8()  # the cache stores FP8 (common)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -241,6 +248,10 @@ def _paged_attention_kernel(
     head64 = head.to(tl.int64)
     q_off = q_rows[:, None] * stride_qt + head64[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(Q + q_off, mask=rd_mask, other=0.0)
+    if KV_FP8:  # kv head hk's scales: k_scale joins the logit scale, v_scale the output
+        k_scale = tl.load(Scales.k + hk * Scales.stride_k)
+        v_scale = tl.load(Scales.v + hk * Scales.stride_v)
+        qk_scale = qk_scale * k_scale
 
     kv_col = offs_d  # in kv head hk's rows of the cache
     if New is not None:
@@ -256,6 +267,9 @@ def _paged_attention_kernel(
         new_col = hk * HEAD_DIM + offs_d  # in the new rows (dense heads)
         kn = tl.load(New.k + q_rows[:, None] * New.stride_k + new_col[None, :], mask=ld_mask)
         vn = tl.load(New.v + q_rows[:, None] * New.stride_v + new_col[None, :], mask=ld_mask)
+        if KV_FP8:
+            kn = quantize_kv(kn, k_scale, K.dtype.element_ty)
+            vn = quantize_kv(vn, v_scale, V.dtype.element_ty)
         dst = slot_new[:, None] * kv_stride + kv_col[None, :]
         tl.store(K + dst, kn, mask=st_mask)
         tl.store(V + dst, vn, mask=st_mask)
@@ -302,6 +316,8 @@ def _paged_attention_kernel(
                 K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D
             )
         # fmt: on
+    if KV_FP8:  # the values' scale, once per row (a split's partial too: the merge is unchanged)
+        acc = acc * v_scale
 
     if NUM_SPLITS == 1:
         if Sinks is not None:  # the sink joins the denominator only (with splits: in the combine kernel, once)
@@ -376,7 +392,8 @@ def paged_attention(
     ``plan`` (``planner.plan_paged``) and return ``out``.
 
     ``new``: first store the step's new rows in the same launch, ``k_cache[loc[t]] = k[t]``
-    and ``v_cache[loc[t]] = v[t]`` for every ``loc[t]`` in ``[1, S)`` (``kv_store``'s rule);
+    and ``v_cache[loc[t]] = v[t]`` for every ``loc[t]`` in ``[1, S)`` (``kv_store``'s rule, an
+    FP8 cache's quantisation included: ``inputs.kv_scales``);
     only for steps whose rows fit one tile (``max_q_len * G <= BLOCK_M``, decode and short
     drafts). The grid is sized from the host bound ``inputs.max_q_len``; the kernels read the
     real lengths on the device. ``workspace``: fp32, used when the plan splits the KV range;
@@ -420,6 +437,7 @@ def paged_attention(
         inputs.seq_lens,
         inputs.keys,
         inputs.sinks,
+        inputs.kv_scales,
         qk_scale,
         softcap_log2,
         window,
@@ -436,8 +454,8 @@ def paged_attention(
         BLOCK_D=block_d,
         PLAN=plan,
         PDL=pdl,
-        PF_LINES=triton.next_power_of_2(triton.cdiv(D * q.element_size(), 128)),
-        LINE_ELEMS=128 // q.element_size(),
+        PF_LINES=triton.next_power_of_2(triton.cdiv(D * k_cache.element_size(), 128)),
+        LINE_ELEMS=128 // k_cache.element_size(),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),

@@ -24,7 +24,11 @@ bandwidth; this kernel shortens the chain:
   the products' layouts there (exact: their results start the real products' accumulators).
   The step's own keys come after the others: a decode step's one own key as a vector (its
   logits as row sums of ``q * k`` in float32, ``p * v`` added to the accumulator), in the one
-  split that holds it; a draft step's in a block of their own.
+  split that holds it; a draft step's in a block of their own;
+* an FP8 cache (``common``): the store quantises the rows (``quantize_kv``) and every program
+  folds the step's own keys in after the cached ones, as above, from the rows it read from
+  ``k`` / ``v`` quantised the same way (a few rows, not a whole key block): attention sees
+  the values the cache holds.
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots):
@@ -38,8 +42,8 @@ k, v           [T, Hkv, D], q's dtype     the step's new K/V rows (last dim cont
 loc            [>= T] int32/int64         cache slot of each new token (``[1, S)`` is
                                           stored, anything else skipped) or None: nothing
                                           stored, every key read from the cache
-k_cache,       [S, Hkv, D], q's dtype     contiguous
-v_cache
+k_cache,       [S, Hkv, D], q's dtype     contiguous; an FP8 cache with
+v_cache        or an FP8 dtype            ``inputs.kv_scales``
 cu_q_lens      [bs + 1] int32             exclusive prefix sum of new tokens per request
 seq_lens       [bs] int32/int64           KV length of each request INCLUDING new tokens
 keys           ``common.KeyTable``        where each request's keys are
@@ -50,8 +54,9 @@ tickets        [>= bs * Hkv] int32        one counter per (request, kv head) gro
 
 Semantics are those of ``paged_attention`` after ``kv_store`` (the same logits and masks;
 results differ only by rounding, the KV range being split elsewhere). For a position of the
-step's own tokens the K/V come from ``k`` / ``v``: what the store writes, since the engine's
-table points at ``loc`` for those positions (the contract's ``out_cache_loc``).
+step's own tokens the K/V come from ``k`` / ``v`` (quantised for an FP8 cache): what the store
+writes, since the engine's table points at ``loc`` for those positions (the contract's
+``out_cache_loc``).
 
 PDL (``pdl.Schedule``): the tickets and the workspace are touched only after the wait, and a
 kernel completes only after its own wait returns, so each wait still covers every launch
@@ -80,6 +85,7 @@ from .common import (
     log2_scales,
     pdl_release,
     pdl_wait,
+    quantize_kv,
     scaled_logits,
     softmax_block,
     table_entry,
@@ -175,6 +181,7 @@ def _store_attend_kernel(
     Work,
     Tickets,
     Sinks,  # [H] float32 sink logits (natural log), or None
+    Scales,  # common.KVScales of an FP8 cache, or None
     CuQ,
     SeqLens,
     keys,  # KeyTable
@@ -202,6 +209,11 @@ def _store_attend_kernel(
     NUM_SPLITS: tl.constexpr = PLAN.NUM_SPLITS
     STORE: tl.constexpr = New is not None
     PRECISION: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    KV_FP8: tl.constexpr = K.dtype.element_ty.is_fp8()  # the cache stores FP8 (common)
+    # The step's own keys come after the cached ones, from a small tile of their own: with
+    # OWN_BLOCK, and wherever an FP8 step stores (its own rows, read from k / v, are quantised
+    # there: a few rows, never a whole key block).
+    OWN_APART: tl.constexpr = PLAN.OWN_BLOCK or (KV_FP8 and STORE)
     pid_g = tl.program_id(0)  # (request, kv head) group
     pdl_release(PDL, "entry")
     pid_s = tl.program_id(1)  # split
@@ -262,8 +274,12 @@ def _store_attend_kernel(
     if PLAN.OWN_BLOCK:
         # the first block holds cached keys only: its operands go into the products' layouts
         # now (products with zeros, exact), and the step's own keys come after the others
+        # (an FP8 cache's tiles converted to q's dtype first, exactly)
+        k_old = k_old.to(Q.dtype.element_ty)
+        v_old = v_old.to(Q.dtype.element_ty)
         s_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_D], dtype=k_old.dtype), tl.trans(k_old), input_precision=PRECISION)
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
+    if OWN_APART:
         # (not ``key_slots``: its table read is not bounded below by the split)
         if BLOCK_T == 1:  # decode: one own key, folded as a vector by the split that holds it
             o_here = (new0 >= s_lo) & (new0 < s_hi)
@@ -278,6 +294,10 @@ def _store_attend_kernel(
             o_key = o_range & (o_slot >= 1) & (o_slot < num_slots)
     pdl_wait(PDL, "prologue")
     pdl_release(PDL, "wait")
+    if KV_FP8:  # kv head hk's scales: k_scale joins the logit scale, v_scale the output
+        k_scale = tl.load(Scales.k + hk * Scales.stride_k)
+        v_scale = tl.load(Scales.v + hk * Scales.stride_v)
+        qk_scale = qk_scale * k_scale
 
     if STORE:
         if pid_s == 0:  # one program per group stores the group's head of the new rows
@@ -288,6 +308,9 @@ def _store_attend_kernel(
             st_mask = ok[:, None] & d_valid[None, :]
             kn = tl.load(New.k + t_rows[:, None] * New.stride_k + kv_col[None, :], mask=st_mask)
             vn = tl.load(New.v + t_rows[:, None] * New.stride_v + kv_col[None, :], mask=st_mask)
+            if KV_FP8:
+                kn = quantize_kv(kn, k_scale, K.dtype.element_ty)
+                vn = quantize_kv(vn, v_scale, V.dtype.element_ty)
             dst = loc[:, None] * kv_stride + kv_col[None, :]
             tl.store(K + dst, kn, mask=st_mask)
             tl.store(V + dst, vn, mask=st_mask)
@@ -298,8 +321,13 @@ def _store_attend_kernel(
     q = tl.load(Q + q_off, mask=rd_mask, other=0.0)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PLAN.OWN_BLOCK:  # the first block as laid out before the wait: cached keys only
-        k, v, first_key, acc, qk0 = k_old, v_old, has_key & ~is_new, o_pre, s_pre
+    QTY: tl.constexpr = Q.dtype.element_ty  # an FP8 cache's tiles are converted to it, exactly
+    if OWN_APART:  # the first block: cached keys only
+        first_key = has_key & ~is_new
+        if PLAN.OWN_BLOCK:  # as laid out before the wait
+            k, v, acc, qk0 = k_old, v_old, o_pre, s_pre
+        else:
+            k, v, acc, qk0 = k_old.to(QTY), v_old.to(QTY), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), None
         if BLOCK_T == 1:  # decode: the own key's row, loaded with q (nothing where no split holds it)
             o_mask1 = offs_d < tl.where(o_here, HEAD_DIM, 0)  # (not ``d_valid & o_here``: a scalar mask
             # broadcast that Triton's interpreter turns into integers)
@@ -320,16 +348,22 @@ def _store_attend_kernel(
                 o_off = o_slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
                 k_own = tl.load(K + o_off, mask=o_mask, other=0.0)
                 v_own = tl.load(V + o_off, mask=o_mask, other=0.0)
+        if KV_FP8:
+            if STORE:  # what the store writes: attention sees what the cache holds
+                k_own = quantize_kv(k_own, k_scale, K.dtype.element_ty)
+                v_own = quantize_kv(v_own, v_scale, V.dtype.element_ty)
+            k_own = k_own.to(QTY)
+            v_own = v_own.to(QTY)
     else:
         first_key, acc, qk0 = has_key, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), None
         new_mask = (has_key & is_new)[:, None] & d_valid[None, :]
-        if STORE:  # keys of the step's own tokens: the rows being stored, read from k / v
+        if STORE:  # keys of the step's own tokens: the rows being stored, read from k / v (not FP8)
             n_row = (q_start + offs_n - new0).to(tl.int64)
             k = tl.load(New.k + n_row[:, None] * New.stride_k + kv_col[None, :], mask=new_mask, other=k_old)
             v = tl.load(New.v + n_row[:, None] * New.stride_v + kv_col[None, :], mask=new_mask, other=v_old)
         else:
-            k = tl.load(K + kv_off, mask=new_mask, other=k_old)
-            v = tl.load(V + kv_off, mask=new_mask, other=v_old)
+            k = tl.load(K + kv_off, mask=new_mask, other=k_old).to(QTY)
+            v = tl.load(V + kv_off, mask=new_mask, other=v_old).to(QTY)
     # fmt: off
     m_i, l_i, acc = _online_block(
         q, k, v, first_key, offs_n, in_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, window, qk0
@@ -339,11 +373,11 @@ def _store_attend_kernel(
         offs_n, slot, has_key = key_slots(t_row, start, s_hi, t_start, keys.width, num_slots, BLOCK_N, True)
         in_range = offs_n < s_hi
         kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-        if PLAN.OWN_BLOCK:  # cached keys only: the step's own come after them
+        if OWN_APART:  # cached keys only: the step's own come after them
             has_key = has_key & (offs_n < new0)
         kv_mask = has_key[:, None] & d_valid[None, :]
-        if STORE and not PLAN.OWN_BLOCK:
-            # keys of the step's own tokens: the rows being stored, read from k / v
+        if STORE and not OWN_APART:
+            # keys of the step's own tokens: the rows being stored, read from k / v (not FP8)
             is_new = offs_n >= new0
             n_row = (q_start + offs_n - new0).to(tl.int64)
             k_ptr = tl.where(is_new[:, None], New.k + n_row[:, None] * New.stride_k + kv_col[None, :], K + kv_off)
@@ -351,14 +385,14 @@ def _store_attend_kernel(
         else:
             k_ptr = K + kv_off
             v_ptr = V + kv_off
-        k = tl.load(k_ptr, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr, mask=kv_mask, other=0.0).to(QTY)
+        v = tl.load(v_ptr, mask=kv_mask, other=0.0).to(QTY)
         # fmt: off
         m_i, l_i, acc = _online_block(
             q, k, v, has_key, offs_n, in_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, window
         )
         # fmt: on
-    if PLAN.OWN_BLOCK:
+    if OWN_APART:
         if BLOCK_T == 1:
             if o_here:  # one key at the row's own position: inside the window, never masked
                 m_i, l_i, acc = _online_key(q, k_own, v_own, row_valid, m_i, l_i, acc, qk_scale, softcap_log2)
@@ -368,6 +402,8 @@ def _store_attend_kernel(
                 q, k_own, v_own, o_key, offs_o, o_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, window
             )
             # fmt: on
+    if KV_FP8:  # the values' scale, once per row (a split's partial too: the merge is unchanged)
+        acc = acc * v_scale
 
     o_ptrs = Out + q_rows[:, None] * stride_ot + head64[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -465,6 +501,7 @@ def store_attend(
         workspace,
         tickets,
         inputs.sinks,
+        inputs.kv_scales,
         inputs.cu_q_lens,
         inputs.seq_lens,
         inputs.keys,
