@@ -149,3 +149,15 @@ def test_bench_history_option_appends_the_runs_rows(tmp_path):
         (m, bs, v) for m in ("decode", "draft_extend") for bs in (1, 4) for v in ("graph", "eager")
     }
     assert lines[1]["date"] == result["environment"]["date_utc"][:10]
+
+
+def test_a_peers_configuration_is_kept_with_its_figure():
+    config = {"page_size": 16, "layout": "HND", "tensor_cores": True, "use_cuda_graph": False}
+    rows = [
+        row("hybrid_step", "decode bs=1 flashinfer", "time per step", 470.0, "us", variant="flashinfer", bs=1,
+            config=config, configs=[{**config, "us": 470.0}]),
+        row("hybrid_step", "decode bs=1 new", "time per step", 190.0, "us", variant="new", bs=1),
+    ]  # fmt: skip
+    lines = history_lines({"suite": "cuda", "environment": ENV, "rows": rows})
+    assert lines[0]["config"] == config and "configs" not in lines[0]  # the chosen one, not the search
+    assert "config" not in lines[1]

@@ -1,6 +1,8 @@
 """The ``model_decode`` benchmark (``attnplug.bench.model_decode``): registered in both suites
 (only run when named), skips cleanly, and its quick run on the host measures both paths on
-the same prompts and gets the same greedy tokens from each."""
+the same prompts and gets the same greedy tokens from each; where the backend declares an FP8
+KV cache, the same Engine run over one beside them (tokens/s, and the greedy tokens' agreement
+with the model-dtype KV run, an information figure), and none where it does not."""
 
 from __future__ import annotations
 
@@ -41,10 +43,62 @@ def test_quick_run_measures_both_paths(monkeypatch):
     monkeypatch.setattr(md, "_QUICK", {**md._QUICK, "batch_sizes": (2,)})
     rows = md.run(_ctx(quick=True))
     speeds = {r["variant"]: r for r in rows if r["metric"] == "decode tokens/s"}
-    assert set(speeds) == {"attnplug", "transformers"}
+    assert set(speeds) == {"attnplug", "transformers", "attnplug fp8 kv"}  # the reference declares FP8 KV caches
     assert all(r["value"] > 0 and r["tn_s"] > r["t1_s"] for r in speeds.values())
     assert speeds["transformers"]["path"].startswith("static cache + sdpa")
     (ratio,) = [r for r in rows if r["metric"] == "attnplug / transformers"]
     assert ratio["value"] == pytest.approx(speeds["attnplug"]["value"] / speeds["transformers"]["value"])
     # float32 on the host: both greedy paths produce the same tokens
     assert ratio["token_agreement"] == 1.0
+    # the FP8 run beside the float32-KV one
+    fp8 = [r for r in rows if r.get("kv_cache_dtype") == "float8_e4m3fn"]
+    (fp8_speed,) = [r for r in fp8 if r["metric"] == "decode tokens/s"]
+    (fp8_ratio,) = [r for r in fp8 if r["metric"] == "fp8 KV / float32 KV"]
+    assert fp8_speed is speeds["attnplug fp8 kv"] and "FP8 KV cache" in fp8_speed["detail"]
+    assert fp8_ratio["value"] == pytest.approx(fp8_speed["value"] / speeds["attnplug"]["value"])
+    assert 0.0 <= fp8_ratio["token_agreement_kv"] <= 1.0 and fp8_ratio["target"] is None  # information only
+    assert "greedy tokens equal to the float32 KV run's at" in fp8_ratio["detail"]
+
+
+def _stub_runs(monkeypatch):
+    """Both timed paths stubbed (the rows' logic only): attnplug's tokens are [1, 2, ..., n]
+    over a model-dtype KV cache and [1, 0, 3, 0, ...] over an FP8 one; returns the KV cache
+    dtypes the Engine was asked for."""
+    from types import SimpleNamespace
+
+    asked = []
+
+    def ours(ctx, model, prompts, prompt_len, n_new, kv_cache_dtype=None):
+        asked.append(kv_cache_dtype)
+        tokens = [i + 1 if kv_cache_dtype is None or i % 2 == 0 else 0 for i in range(n_new)]
+        return [tokens] * len(prompts), 1.0, 3.0 if kv_cache_dtype else 2.0, {}, "eager steps", ""
+
+    def theirs(ctx, model, prompts, n_new):
+        return [list(range(1, n_new + 1))] * prompts.shape[0], 1.0, 2.0, SimpleNamespace(path="p", note="")
+
+    monkeypatch.setattr(md, "_ours", ours)
+    monkeypatch.setattr(md, "_theirs", theirs)
+    monkeypatch.setattr(md, "_QUICK", {**md._QUICK, "batch_sizes": (2,), "new_tokens": 8})
+    return asked
+
+
+def test_fp8_rows_only_where_the_backend_declares_an_fp8_cache(monkeypatch):
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    class NoFp8(ReferenceBackend):
+        name = "nofp8"
+
+        @classmethod
+        def declared_capabilities(cls):
+            return dataclasses.replace(super().declared_capabilities(), fp8_kv_dtypes=())
+
+    asked = _stub_runs(monkeypatch)
+    rows = md.run(Ctx(backend_cls=NoFp8, device=torch.device("cpu"), quick=True))
+    assert asked == [None] and not [r for r in rows if "kv_cache_dtype" in r]
+    asked.clear()
+    rows = md.run(_ctx(quick=True))
+    assert asked == [None, "fp8"]
+    (ratio,) = [r for r in rows if r["metric"] == "fp8 KV / float32 KV"]
+    assert ratio["token_agreement_kv"] == 0.5  # every other position differs in the stub
+    assert ratio["value"] == pytest.approx(0.5)  # t(n) - t(1): 2 s over FP8, 1 s over float32

@@ -46,7 +46,8 @@ def _world(max_bs=3, context=16, window=5):
 
 
 def test_peer_keys_are_the_keys_the_backend_attends():
-    from attnplug_cuda.bench.flashinfer_peer import reference_attention, request_keys
+    from attnplug.bench.step_check import reference_attention
+    from attnplug.bench.world import request_keys
 
     world = _world()
     bs = 3

@@ -19,8 +19,12 @@ module              job
 ``report``          the rich table, the JSON file, the summary line
 ``history``         one JSON line per measured row appended to a ``.jsonl`` history
 ``plots``           PNGs: time vs batch size per variant, ratio vs the baseline
-``world``           a hybrid full + SWA world of requests and its step function
-``step_case``       whole-step benchmarks over variants (``run_step_benchmark``)
+``world``           a hybrid full + SWA world of requests (its FP8 twin: ``kv_cache_dtype``)
+                    and its step function
+``step_case``       whole-step benchmarks over variants (``run_step_benchmark``), with
+                    ``step_spec`` / ``step_measure`` / ``step_compare`` / ``step_check``
+``floors``          a step's launch and bandwidth floors; ``attention_flops``
+``prefill``         paged causal prefill through a backend's forward, against peers
 ``environment``     what a run was measured on
 ==================  =====================================================================
 

@@ -9,9 +9,10 @@ measured on: ``date`` (UTC, ``YYYY-MM-DD``), ``device`` (the accelerator's name,
 device string), ``sm_count``, ``versions`` (the recorded versions: ``torch``, ``triton``,
 ``driver`` and the ``torch_*`` build versions a suite's environment adds), ``commit`` (12 hex),
 the ``command`` as recorded, then ``suite``, ``benchmark``, ``case``, ``metric``, ``value``,
-``unit`` and, where the row has them, ``variant``, ``bs``, ``series`` and ``graphs`` (``"eager
-stand-in"``: a graph variant measured without a device graph). Unknown fields are
-null (a version not recorded is left out). Keys are sorted; one compact line per row.
+``unit`` and, where the row has them, ``variant``, ``bs``, ``series``, ``graphs`` (``"eager
+stand-in"``: a graph variant measured without a device graph) and ``config`` (the
+configuration a peer ran in, e.g. FlashInfer's page size, layout and kernels). Unknown fields
+are null (a version not recorded is left out). Keys are sorted; one compact line per row.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ __all__ = ["history_lines", "append_history", "main"]
 #: the row keys a line keeps when the row has them (what the plots draw a row by)
 PLOT_KEYS = ("variant", "bs", "series")
 #: what a line keeps about how a row was measured, when the row has it (``graphs``: "eager
-#: stand-in" for a graph variant that had no device graph, so its figures are not a graph's)
-MARK_KEYS = ("graphs",)
+#: stand-in" for a graph variant that had no device graph, so its figures are not a graph's;
+#: ``config``: the configuration a peer was measured in, its best)
+MARK_KEYS = ("graphs", "config")
 #: the environment's versions a line keeps, besides every ``torch_*`` key (the build's)
 VERSION_KEYS = ("torch", "triton", "driver")
 

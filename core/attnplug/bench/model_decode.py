@@ -31,7 +31,14 @@ Method, per batch size (1 and 32; ``--quick``: 1 and 4):
   transformers (target: > 1, faster than transformers), ``t(1)`` (prefill + first token) and
   the share of generated tokens both paths agree on (greedy decoding of random weights in
   bfloat16: an information, not a check; the logits are checked by the conformance suite's
-  ``check_matches_transformers``).
+  ``check_matches_transformers``);
+* FP8 KV cache, where the backend declares ``float8_e4m3fn`` in ``fp8_kv_dtypes``: the same
+  Engine run with ``kv_cache_dtype="fp8"`` (every scale 1.0, what vLLM uses without calibrated
+  scales; the model, prompts and method as above), its decode tokens/s (``variant``
+  ``attnplug fp8 kv``) and a row of the ratio FP8 / model-dtype KV tokens/s with the share of
+  token positions whose greedy token equals the model-dtype KV run's (``token_agreement_kv``:
+  an information figure, never a check; FP8 moves the logits, and random weights have many
+  near ties).
 
 Skipped (a row with the reason, no error) when transformers or the integration cannot be
 imported, and for the 1B config on the host (``--quick`` runs the tiny one there).
@@ -59,7 +66,7 @@ BENCHMARK = Benchmark(
     NAME,
     f"{__name__}:run",
     "decode tokens/s of a 1B-class Gemma3 text model: Engine vs transformers' static-cache generate",
-    reserve_s=420.0,
+    reserve_s=600.0,
     default=False,
 )
 
@@ -180,11 +187,12 @@ def _agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
     return same / max(total, 1)
 
 
-def _ours(ctx: Ctx, model, prompts: List[List[int]], prompt_len: int, n_new: int):
-    """The attnplug Engine on ``prompts``: ``(warm-up tokens, t(1), t(n), last run figures,
-    path, note)``. Where its DECODE steps replay graphs, the model is compiled around the
-    attention op (``Engine(compile=True)``); when compiling fails, the same run uncompiled,
-    the note saying why."""
+def _ours(ctx: Ctx, model, prompts: List[List[int]], prompt_len: int, n_new: int, kv_cache_dtype=None):
+    """The attnplug Engine on ``prompts`` over a KV cache of ``kv_cache_dtype`` (None: the
+    model's dtype): ``(warm-up tokens, t(1), t(n), last run figures, path, note)``. Where its
+    DECODE steps replay graphs, the model is compiled around the attention op
+    (``Engine(compile=True)``); when compiling fails, the same run uncompiled, the note saying
+    why."""
     from attnplug.integrations.transformers import Engine
 
     def engine_for(compile_model: bool):
@@ -195,6 +203,7 @@ def _ours(ctx: Ctx, model, prompts: List[List[int]], prompt_len: int, n_new: int
             max_context_len=-(-(prompt_len + n_new + 16) // 64) * 64,
             progress=False,
             compile=compile_model,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     note = ""
@@ -225,6 +234,12 @@ def _theirs(ctx: Ctx, model, prompts: torch.Tensor, n_new: int):
     return tokens, t1, tn, hf
 
 
+def _serves_fp8(backend_cls) -> bool:
+    """Whether the backend class declares an FP8 KV cache of float8_e4m3fn (``"fp8"``)."""
+    caps = backend_cls.installed_capabilities() if backend_cls is not None else None
+    return caps is not None and torch.float8_e4m3fn in tuple(caps.fp8_kv_dtypes)
+
+
 def run(ctx: Ctx) -> List[dict]:
     """The benchmark of the module docstring for ``ctx.backend_cls`` on ``ctx.device``."""
     why = transformers_missing()
@@ -242,6 +257,9 @@ def run(ctx: Ctx) -> List[dict]:
     gen = torch.Generator().manual_seed(0)
     config_name = "tiny Gemma3 text" if ctx.quick else "Gemma3 text 1B-class"
     backend_name = getattr(ctx.backend_cls, "name", "?")
+    fp8 = _serves_fp8(ctx.backend_cls)
+    if not fp8:
+        ctx.log(f"{NAME}: backend {backend_name} declares no FP8 KV cache (float8_e4m3fn): no FP8 rows")
     for bs in sizes:
         case = f"{config_name}, bs={bs}, prompt {prompt_len}, {n_new} new tokens"
         if ctx.time_low(need_s=30.0):
@@ -315,4 +333,56 @@ def run(ctx: Ctx) -> List[dict]:
             f"{NAME}: bs={bs}: attnplug {our_tps:,.0f} tok/s, transformers {hf_tps:,.0f} tok/s ({hf.path}): "
             f"{ratio:.2f}x; tokens agreeing {agree:.0%}"
         )
+        if fp8:
+            _fp8_rows(ctx, case, common, ours_model, prompts.tolist(), prompt_len, n_new, our_tokens, our_tps)
     return ctx.rows
+
+
+def _fp8_rows(ctx: Ctx, case: str, common: dict, model, prompts, prompt_len: int, n_new: int, base_tokens, base_tps):
+    """The Engine run over an FP8 KV cache (``kv_cache_dtype="fp8"``, scales 1.0) beside the
+    model-dtype one: its decode tokens/s and the ratio row with the greedy tokens' agreement."""
+    backend_name = getattr(ctx.backend_cls, "name", "?")
+    kv_name = f"{common['dtype']} KV"
+    ctx.log(f"{NAME}: bs={common['bs']}: attnplug Engine on {backend_name}, FP8 KV cache (float8_e4m3fn)")
+    tokens, t1, tn, last, path, note = _ours(ctx, model, prompts, prompt_len, n_new, kv_cache_dtype="fp8")
+    graph_steps, decode_steps = last.get("graph_steps", 0), last.get("steps", {}).get("DECODE", 0)
+    tps = common["bs"] * (n_new - 1) / max(tn - t1, 1e-9)
+    agree = _agreement(tokens, base_tokens)
+    fp8 = dict(common, kv_cache_dtype="float8_e4m3fn")
+    ctx.rows.append(
+        row(
+            NAME,
+            case,
+            "decode tokens/s",
+            tps,
+            "tok/s",
+            detail=f"Engine on {backend_name}, FP8 KV cache, {path}, {graph_steps}/{decode_steps} decode steps "
+            "replayed",
+            notes=note,
+            key=True,
+            variant="attnplug fp8 kv",
+            path=path,
+            graph_steps=graph_steps,
+            decode_steps=decode_steps,
+            t1_s=t1,
+            tn_s=tn,
+            **fp8,
+        )
+    )
+    ctx.rows.append(
+        row(
+            NAME,
+            case,
+            f"fp8 KV / {kv_name}",
+            tps / base_tps,
+            "x",
+            detail=f"greedy tokens equal to the {kv_name} run's at {agree:.1%} of positions (information)",
+            key=True,
+            token_agreement_kv=agree,
+            **fp8,
+        )
+    )
+    ctx.log(
+        f"{NAME}: bs={common['bs']}: attnplug FP8 KV {tps:,.0f} tok/s vs {kv_name} {base_tps:,.0f} tok/s "
+        f"({tps / base_tps:.2f}x); greedy tokens equal to the {kv_name} run's at {agree:.1%} of positions"
+    )

@@ -2,7 +2,8 @@
 
 For every benchmark whose rows carry the plot keys ``variant``, ``bs`` and ``series``, one
 PNG ``<benchmark>.png``: one line of panels per series, with time against batch size per
-variant (left; a dashed ``floor`` line where rows carry ``floor``) and the ratio
+variant (left; a dashed ``floor`` line where rows carry ``floor``, one a variant where several
+variants carry floors, e.g. a bf16 and an FP8 cache) and the ratio
 ``baseline / variant`` against batch size (right; above 1: faster than the baseline). A
 variant whose rows carry ``graphs="eager stand-in"`` (a graph variant with no device graph) is
 labelled so, and its ratio panel says the ratio is noise, not a speedup.
@@ -48,10 +49,11 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: str, baseline: str) -> List
         for r in rows
         if r.get("graphs") == STAND_IN and r.get("variant") is not None
     }
-    floors: Dict[tuple, Dict[int, float]] = defaultdict(dict)
+    floors: Dict[tuple, Dict[str, Dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         if r.get("floor") is not None and r.get("bs") is not None:
-            floors[(r["benchmark"], str(r.get("series") or r.get("metric") or ""))][int(r["bs"])] = float(r["floor"])
+            key = (r["benchmark"], str(r.get("series") or r.get("metric") or ""))
+            floors[key][str(r.get("variant"))][int(r["bs"])] = float(r["floor"])
     paths = []
     for bench, by_series in sorted(plot_rows(rows).items()):
         fig = Figure(figsize=(11, 3.6 * len(by_series)), layout="constrained")
@@ -67,10 +69,14 @@ def write_plots(rows: List[Dict[str, Any]], out_dir: str, baseline: str) -> List
             for variant, points in sorted(variants.items()):
                 xs = sorted(points)
                 ax_t.plot(xs, [points[x] for x in xs], marker="o", label=name(variant))
-            floor = floors.get((bench, series))
-            if floor:
+            floored = floors.get((bench, series), {})
+            for variant, floor in sorted(floored.items()):
                 xs = sorted(floor)
-                ax_t.plot(xs, [floor[x] for x in xs], linestyle="--", color="black", label="floor")
+                one = len(floored) == 1
+                style = {"color": "black"} if one else {}
+                ax_t.plot(
+                    xs, [floor[x] for x in xs], linestyle="--", label="floor" if one else f"floor ({variant})", **style
+                )
             ax_t.set_title(f"{bench}: {series}")
             ax_t.set_xlabel("batch size")
             ax_t.set_ylabel(f"{metric} ({unit})" if unit else str(metric))

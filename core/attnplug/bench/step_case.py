@@ -1,7 +1,9 @@
 """Whole-step benchmarks: every layer of a hybrid model per step, per variant, per batch size.
 
-``run_step_benchmark`` builds one ``HybridWorld`` (``world.py``) and, for every mode, batch
-size and variant, runs the step of the first ``bs`` requests many times:
+``run_step_benchmark`` builds one ``HybridWorld`` (``world.py``) per KV cache dtype its
+variants and peers ask for (the model's dtype, and an FP8 twin holding the same keys
+quantised with ``world.bench_kv_scales``) and, for every mode, batch size and variant, runs the
+step of the first ``bs`` requests many times:
 
 * a ``graph`` variant runs through ``attnplug.GraphRunner`` (one bucket: the case's bs,
   captured with ``capture(strict=True)``: a capture that fails is an error, never a silent
@@ -22,11 +24,17 @@ Optional measurements around the same steps:
 * floors (``StepVariant.floor``): the variant's time rows carry ``floor`` and
   ``pct_of_floor`` (``floors.StepFloor``: the launch floor from the plugin's ``LaunchFloor``,
   the bandwidth floor from ``floors.step_bytes`` at the copy bandwidth measured at the start);
-* ``StepRatio``: two variants of one backend (e.g. PDL on / off) compared: speedup row, and
-  whether every layer's output is bit-identical;
+* ``StepRatio``: two variants (e.g. PDL on / off, or a bf16 against an FP8 cache) compared:
+  speedup row with the largest output difference, and whether every layer's output is
+  bit-identical;
 * ``StepPeer``: another implementation timed on the same world (e.g. attention only), with
   the ratio ``peer / variant``; a peer that is not installed leaves one row saying so;
+* ``StepVariant.check_attention``: the variant's DECODE attention against float32 attention
+  over its (dequantised) cache (``step_check``);
 * ``PrepCheck``: host time of the graph runner's replay preparation (``replay_prep_us``).
+
+A variant whose backend cannot be built over its pool (e.g. a backend that does not serve an
+FP8 cache) leaves one error row saying why; the others run.
 
 This module runs the cases and writes their time and speedup rows; what is measured is described
 in ``step_spec``, one case is measured by ``step_measure``, the ratio and peer rows come from
@@ -42,15 +50,16 @@ import torch
 
 from ..batch import ForwardMode
 from ..graphs import EagerGraph
+from ..memory.fp8 import is_fp8
 from .context import Ctx
 from .floors import LaunchFloor, StepFloor
 from .report import STAND_IN
-from .rows import row
-from .step_compare import peer_rows, ratio_rows
+from .rows import error_row, row
+from .step_compare import attention_check_rows, peer_rows, ratio_rows
 from .step_measure import layer_outputs, replay_prep_us, step_floor, time_variant
 from .step_spec import PeerUnavailable, PrepCheck, StepPeer, StepRatio, StepShape, StepVariant
 from .timing import copy_bandwidth, free_memory
-from .world import build_world
+from .world import HybridWorld, bench_kv_scales, build_world
 
 __all__ = [
     "PeerUnavailable",
@@ -116,24 +125,28 @@ def run_step_benchmark(
             )
         )
         ctx.log(f"  copy bandwidth {copy_tb_s:.3f} TB/s")
-    world = build_world(
-        num_layers=shape.num_layers,
-        max_bs=max(sizes),
-        context=shape.context,
-        window=shape.window,
-        num_draft=shape.num_draft,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-        device=ctx.device,
-    )
+    worlds: Dict[torch.dtype, HybridWorld] = {}
+    for cache_dtype in [shape.dtype] + [
+        d for d in (*(v.kv_cache_dtype for v in variants.values()), *(p.kv_cache_dtype for p in peers)) if d
+    ]:
+        if cache_dtype not in worlds:
+            worlds[cache_dtype] = _world(shape, max(sizes), cache_dtype, ctx.device)
     ctx.timer.sync()
-    ctx.log(f"  world: {shape.describe()}, max bs {max(sizes)} on {world.pool.device}; timing: {ctx.timer.method}")
-    backends = {
-        v: spec.make(world.pool, world.rows, num_heads=shape.num_heads, sliding_window=shape.window)
-        for v, spec in variants.items()
-    }
+    for cache_dtype, w in worlds.items():
+        held = str(cache_dtype).replace("torch.", "")
+        ctx.log(f"  world: {shape.describe()}, KV cache {held}, max bs {max(sizes)} on {w.pool.device}")
+    ctx.log(f"  timing: {ctx.timer.method}")
+    world_of = {v: worlds[spec.kv_cache_dtype or shape.dtype] for v, spec in variants.items()}
+    backends = {}
+    for v, spec in variants.items():
+        try:
+            backends[v] = spec.make(
+                world_of[v].pool, world_of[v].rows, num_heads=shape.num_heads, sliding_window=shape.window
+            )
+        except Exception as exc:
+            rows.append(error_row(name, f"{v} (every case)", "time per step", "us", exc, variant=v))
+            ctx.log(f"  {v}: cannot run: {type(exc).__name__}: {exc}")
+    variants = {v: spec for v, spec in variants.items() if v in backends}
     # graph variants whose backend has no device graph: the eager stand-in, said in their rows
     stand_in = {v for v, spec in variants.items() if spec.graph and isinstance(backends[v].new_graph(), EagerGraph)}
     if stand_in:
@@ -172,14 +185,32 @@ def run_step_benchmark(
                     v_, mode_, bs_ = case
                     if spec.floor:
                         extra["floor"] = step_floor(
-                            ctx, shape, mode_, bs_, run_step, backends[v_], launch_floor, copy_tb_s, empty_graph
+                            ctx,
+                            shape,
+                            mode_,
+                            bs_,
+                            run_step,
+                            backends[v_],
+                            launch_floor,
+                            copy_tb_s,
+                            empty_graph,
+                            spec.kv_cache_dtype,
                         )
                     if prep is not None and runner is not None and case == (prep.variant, prep.mode, prep.bs):
                         extra["prep_us"] = replay_prep_us(ctx.timer, runner, batch, inputs, iters=prep.iters)
 
                 try:
                     us, outs[v] = time_variant(
-                        ctx, world, spec, backends[v], mode, bs, steps=n, repeats=repeats, warmup=warmup, after=after
+                        ctx,
+                        world_of[v],
+                        spec,
+                        backends[v],
+                        mode,
+                        bs,
+                        steps=n,
+                        repeats=repeats,
+                        warmup=warmup,
+                        after=after,
                     )
                     times[v] = us
                     rows.append(
@@ -222,12 +253,17 @@ def run_step_benchmark(
                     ctx.log(f"  {label} {v}: FAILED {type(exc).__name__}: {exc}")
                 finally:
                     free_memory(ctx.timer)
+                if spec.check_attention and mode is ForwardMode.DECODE and v in times:
+                    rows.extend(
+                        attention_check_rows(ctx, name, label, v, backends[v], world_of[v], bs, with_cpu=spec.with_cpu)
+                    )
             for r in ratios:
                 if r.slow in times and r.fast in times:
-                    rows.extend(ratio_rows(ctx, name, label, r, times, outs, world, backends, variants, mode, bs))
+                    rows.extend(ratio_rows(ctx, name, label, r, times, outs, world_of, backends, variants, mode, bs))
             for peer in peers:
                 if mode in peer.modes and peer.name not in unavailable:
-                    rows.extend(peer_rows(ctx, name, label, peer, times, world, mode, bs, series, unavailable))
+                    peer_world = worlds[peer.kv_cache_dtype or shape.dtype]
+                    rows.extend(peer_rows(ctx, name, label, peer, times, peer_world, mode, bs, series, unavailable))
             if baseline not in times:
                 continue
             for v in variants:
@@ -280,9 +316,29 @@ def run_step_benchmark(
             )
         )
     backends.clear()
-    del world
+    del world_of
+    worlds.clear()
     free_memory(ctx.timer)
     return rows
+
+
+def _world(shape: StepShape, max_bs: int, cache_dtype: torch.dtype, device) -> HybridWorld:
+    """The world of ``shape`` whose pool stores ``cache_dtype``: the model's dtype, or an FP8
+    dtype with ``bench_kv_scales`` (the same seed: the same keys, quantised)."""
+    return build_world(
+        num_layers=shape.num_layers,
+        max_bs=max_bs,
+        context=shape.context,
+        window=shape.window,
+        num_draft=shape.num_draft,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+        device=device,
+        kv_cache_dtype=cache_dtype,
+        kv_scales=bench_kv_scales(shape.num_layers) if is_fp8(cache_dtype) else None,
+    )
 
 
 def _time_row(name, label, v, us, bs, series, n, repeats, target_us, extra, graphs=None) -> dict:

@@ -101,10 +101,12 @@ def step_floor(
     launch_floor: Optional[LaunchFloor],
     copy_tb_s: float,
     cache: Dict[Tuple[int, bool], float],
+    kv_cache_dtype: Optional[torch.dtype] = None,
 ) -> StepFloor:
     """The floor of one step: its launches counted and an empty graph of as many replayed
-    (once per launch count and PDL setting), its bytes at the copy bandwidth."""
-    nbytes = shape.step_bytes(mode, bs)
+    (once per launch count and PDL setting), its bytes at the copy bandwidth (the cache's
+    elements of ``kv_cache_dtype``, None: the model's dtype)."""
+    nbytes = shape.step_bytes(mode, bs, kv_cache_dtype)
     if launch_floor is None:
         return StepFloor(nbytes, copy_tb_s, launch_note="no launch floor for this device")
     launches, how = launch_floor.count(run_step)

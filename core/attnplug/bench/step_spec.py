@@ -2,7 +2,9 @@
 requests (``StepShape``), the implementations timed (``StepVariant``), and the optional
 comparisons around them: two variants (``StepRatio``), another implementation on the same
 world (``StepPeer``, ``PeerUnavailable``), the host time of the replay preparation
-(``PrepCheck``). Plain data: nothing here runs a step.
+(``PrepCheck``). A variant or a peer may run over another KV cache dtype than the model's
+(``kv_cache_dtype``: an FP8 cache); each cache dtype gets its own world, holding the same
+keys (``world.py``). Plain data: nothing here runs a step.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class StepShape:
     def q_len(self, mode: ForwardMode) -> int:
         return 1 if mode is ForwardMode.DECODE else self.num_draft
 
-    def step_bytes(self, mode: ForwardMode, bs: int) -> int:
-        """``floors.step_bytes`` of one step of ``mode`` (the world's lengths, ``world.py``)."""
+    def step_bytes(self, mode: ForwardMode, bs: int, kv_cache_dtype: Optional[torch.dtype] = None) -> int:
+        """``floors.step_bytes`` of one step of ``mode`` (the world's lengths, ``world.py``) over
+        a cache of ``kv_cache_dtype`` (None: the model's ``dtype``)."""
         q = self.q_len(mode)
         return step_bytes(
             num_layers=self.num_layers,
@@ -54,6 +57,7 @@ class StepShape:
             q_len=q,
             seq_len=self.context - self.num_draft + q,
             window=self.window,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     def describe(self) -> str:
@@ -70,7 +74,8 @@ class StepVariant:
     """One implementation measured: ``make(pool, req_to_token_pool, num_heads, sliding_window)``
     returns its backend; ``graph``: through ``GraphRunner`` (else eager steps);
     ``with_cpu``: the batch carries ``seq_lens_cpu`` (backends that declare
-    ``needs_cpu_seq_lens``)."""
+    ``needs_cpu_seq_lens``); ``kv_cache_dtype``: the dtype its pool stores (None: the model's;
+    an FP8 dtype: the world's FP8 twin, ``world.bench_kv_scales``)."""
 
     make: Callable[..., object]
     graph: bool = True
@@ -81,18 +86,29 @@ class StepVariant:
     vs_baseline: bool = True
     #: its time rows carry the step's floor and % of floor (graph variants)
     floor: bool = False
+    kv_cache_dtype: Optional[torch.dtype] = None
+    #: at every DECODE size, one eager step's first SWA and full layer against float32
+    #: attention over the (dequantised) cache: a row held to ``step_check.CHECK_TOLERANCE``
+    check_attention: bool = False
 
 
 @dataclass(frozen=True)
 class StepRatio:
     """``slow`` against ``fast`` (two variants) at every case where both ran: a row
-    ``speedup (slow / fast)`` held to ``target`` (None: reported), and with ``identical`` a
-    row saying whether every layer's output of one eager step is bit-identical."""
+    ``speedup (slow / fast)`` held to ``target`` at the batch sizes ``held_at`` (None: at
+    every size; elsewhere, and with no target, reported), carrying the largest difference of
+    the two step outputs; with ``identical`` a row saying whether every layer's output of one
+    eager step is bit-identical."""
 
     slow: str
     fast: str
     target: Optional[float] = None
     identical: bool = False
+    held_at: Optional[Tuple[int, ...]] = None
+
+    def target_at(self, bs: int) -> Optional[float]:
+        """The speedup held at ``bs`` (None: reported only)."""
+        return self.target if self.held_at is None or bs in self.held_at else None
 
 
 class PeerUnavailable(RuntimeError):
@@ -102,18 +118,21 @@ class PeerUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class StepPeer:
     """Another implementation timed on the same world. ``measure(ctx, world, mode, bs)``
-    returns ``(microseconds per step, detail)``, appends any check rows of its own to
+    returns ``(microseconds per step, detail)`` or ``(us, detail, fields)`` (``fields``: more
+    JSON of its time row, e.g. the configuration it ran), appends any check rows of its own to
     ``ctx.rows``, and raises ``PeerUnavailable`` when it cannot run here (asked once per run).
     ``against``: the variant it is compared with (row ``speedup (name / against)``);
     ``target(mode, bs)``: the speedup held (None: reported); ``what``: what the peer's time
-    covers (e.g. ``attention only``)."""
+    covers (e.g. ``attention only``); ``kv_cache_dtype``: the world it runs on (None: the
+    model's dtype, else that cache dtype's world, as ``StepVariant``)."""
 
     name: str
-    measure: Callable[[Ctx, HybridWorld, ForwardMode, int], Tuple[float, str]]
+    measure: Callable[[Ctx, HybridWorld, ForwardMode, int], tuple]
     against: str
     modes: Tuple[ForwardMode, ...] = (ForwardMode.DECODE,)
     target: Callable[[ForwardMode, int], Optional[float]] = lambda mode, bs: None
     what: str = ""
+    kv_cache_dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)

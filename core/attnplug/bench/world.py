@@ -8,20 +8,28 @@ engine would between steps. Each request then gets ``num_draft`` more slots for 
 (``seq_len = context - num_draft + 1``), TARGET_VERIFY / DRAFT_EXTEND use all of them
 (``seq_len = context``). The steps are replayed many times over the same slots.
 
-``make_step`` is the "model": every layer's attention over random per-layer q/k/v (static
-tensors, so the graph runner's only per-step input copy is a tiny one).
+The cache holds the model's dtype, or an FP8 dtype (``kv_cache_dtype``, with per-layer
+``kv_scales``; ``bench_kv_scales`` gives the benchmarks' own): then its values are the same
+random numbers a model-dtype world of the same seed holds, quantised by the pool's rule
+(``attnplug.memory.fp8.quantize_kv``), so the two worlds hold the same keys up to the
+quantisation. ``request_keys`` gives the slots a step of the first requests reads.
+
+``make_step`` is the "model": every layer's attention over random per-layer q/k/v of the
+model's dtype (static tensors, so the graph runner's only per-step input copy is a tiny one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from attnplug import ForwardBatch, ForwardMode, ReqToTokenPool, SWAKVPool, SWATokenAllocator
 
-__all__ = ["HybridWorld", "build_world", "make_step", "INPUTS"]
+from ..memory.fp8 import is_fp8, quantize_kv
+
+__all__ = ["HybridWorld", "build_world", "make_step", "request_keys", "bench_kv_scales", "INPUTS"]
 
 #: the GraphRunner's per-token input: one element (q/k/v live in the step, see make_step)
 INPUTS = {"x": ((1,), torch.float32)}
@@ -29,6 +37,10 @@ INPUTS = {"x": ((1,), torch.float32)}
 
 @dataclass
 class HybridWorld:
+    """The world of a step benchmark (see the module docstring): ``pool`` (its ``dtype`` is
+    what the cache stores), ``dtype`` (the model's: q, k, v and the outputs), the requests'
+    rows ``req_rows`` and their step slots ``step_slots``."""
+
     pool: SWAKVPool
     rows: ReqToTokenPool
     alloc: SWATokenAllocator
@@ -41,6 +53,7 @@ class HybridWorld:
     num_draft: int
     req_rows: List[int]
     step_slots: torch.Tensor  # [max_bs, num_draft] int64, device
+    dtype: torch.dtype  # the model's dtype (q, k, v); pool.dtype is the cache's
     _batches: Dict[Tuple[ForwardMode, int, bool], ForwardBatch] = field(default_factory=dict)
 
     def batch(self, mode: ForwardMode, bs: int, *, with_cpu: bool) -> ForwardBatch:
@@ -83,9 +96,14 @@ def build_world(
     device: object = "cpu",
     fill_random: bool = True,
     seed: int = 0,
+    kv_cache_dtype: Optional[torch.dtype] = None,
+    kv_scales: Optional[Mapping[int, Tuple[object, object]]] = None,
 ) -> HybridWorld:
-    """See the module docstring. SWA layers: ``layer % 4 != 3``. The caller synchronises the
-    device before timing anything (the random fill is queued work)."""
+    """See the module docstring. SWA layers: ``layer % 4 != 3``. ``dtype``: the model's;
+    ``kv_cache_dtype``: what the pool stores (None: ``dtype``); ``kv_scales``: ``{layer:
+    (k_scale, v_scale)}`` of an FP8 cache (``SWAKVPool.set_kv_scales``; layers not named keep
+    1.0), set before the fill. The caller synchronises the device before timing anything (the
+    random fill is queued work)."""
     prefix = context - num_draft
     if prefix < 1 or window < 1 or max_bs < 1:
         raise ValueError(
@@ -96,7 +114,13 @@ def build_world(
     size = max_bs * (context + 8)
     # Live SWA slots per request after eviction: window - 1 + num_draft; plus one prefix in flight.
     size_swa = max_bs * (window + num_draft + 8) + context + 64
-    pool = SWAKVPool(size, size_swa, num_layers, swa_layers, num_kv_heads, head_dim, dtype, device)
+    cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+    pool = SWAKVPool(size, size_swa, num_layers, swa_layers, num_kv_heads, head_dim, cache_dtype, device)
+    if kv_scales:
+        if not pool.is_fp8:
+            raise ValueError(f"build_world: kv_scales apply to an FP8 cache, this one stores {cache_dtype}")
+        for layer, (k_scale, v_scale) in kv_scales.items():
+            pool.set_kv_scales(layer, k_scale, v_scale)
     alloc = SWATokenAllocator(pool)
     rows = ReqToTokenPool(max_bs + 2, context + 64, device)
     req_rows: List[int] = []
@@ -112,9 +136,7 @@ def build_world(
         rows.req_to_token[row, prefix:context] = loc.to(torch.int32)
         step_slots.append(loc)
     if fill_random:
-        gen = torch.Generator(device=pool.device).manual_seed(seed)
-        for buf in (*pool.k_buffer, *pool.v_buffer):
-            buf.normal_(generator=gen)
+        _fill_random(pool, dtype, seed)
     return HybridWorld(
         pool=pool,
         rows=rows,
@@ -128,16 +150,56 @@ def build_world(
         num_draft=num_draft,
         req_rows=req_rows,
         step_slots=torch.stack(step_slots),
+        dtype=dtype,
     )
+
+
+def _fill_random(pool: SWAKVPool, dtype: torch.dtype, seed: int) -> None:
+    """Every K then every V buffer drawn from N(0, 1) in ``dtype`` (one generator, in layer
+    order); an FP8 pool stores the same draws quantised with each layer's scales."""
+    gen = torch.Generator(device=pool.device).manual_seed(seed)
+    if not is_fp8(pool.dtype):
+        for buf in (*pool.k_buffer, *pool.v_buffer):
+            buf.normal_(generator=gen)
+        return
+    for which, buffers in ((0, pool.k_buffer), (1, pool.v_buffer)):
+        for layer, buf in enumerate(buffers):
+            drawn = torch.empty(buf.shape, dtype=dtype, device=pool.device).normal_(generator=gen)
+            buf.copy_(quantize_kv(drawn, pool.kv_scales(layer)[which], pool.dtype))
+            del drawn
+
+
+def bench_kv_scales(num_layers: int) -> Dict[int, Tuple[float, float]]:
+    """The benchmarks' FP8 scales, ``{layer: (k_scale, v_scale)}``: a different pair on every
+    layer (``k = (1 + (layer % 7) / 8) / 32``, ``v = (1 + ((layer + 3) % 5) / 8) / 32``, 1/32 to
+    7/128), so a kernel that ignores a layer's scale, or swaps K's and V's, computes something
+    else. N(0, 1) keys and values quantised at these scales use at most about 5 / (1/32) = 160 of
+    float8_e4m3fn's 448: no saturation."""
+    return {layer: ((1 + (layer % 7) / 8) / 32, (1 + ((layer + 3) % 5) / 8) / 32) for layer in range(num_layers)}
+
+
+def request_keys(world: HybridWorld, bs: int, seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(full [bs, seq_len], swa [bs, min(seq_len, W)])`` int32 slots of the first ``bs``
+    requests' keys when they hold ``seq_len`` tokens: full-pool slots (``req_to_token``) and
+    the window's SWA slots, in position order. Raises ``ValueError`` when a key has no live
+    slot (the world is not what a step sees)."""
+    rows = torch.tensor(world.req_rows[:bs], dtype=torch.int64, device=world.pool.device)
+    full = world.rows.req_to_token[rows, :seq_len].to(torch.int32).contiguous()
+    keys = min(seq_len, world.window)
+    swa = world.pool.full_to_swa_index_mapping[full[:, seq_len - keys :].long()].to(torch.int32).contiguous()
+    if bool((full <= 0).any()) or bool((swa <= 0).any()):
+        raise ValueError(f"request_keys: a key of the first {bs} requests has no live slot (seq_len={seq_len})")
+    return full, swa
 
 
 def make_step(backend, world: HybridWorld, max_tokens: int, *, seed: int = 1, record: bool = False):
     """``step(batch, inputs)``: every layer's attention over static random q/k/v of that
-    layer (the same tensors for the same ``seed``, whatever the backend); returns the last
-    layer's output ``[T, H, D]``. ``record``: each call also leaves every layer's output in
-    ``step.recorded`` (a list of ``L`` tensors; for eager checks, never inside a graph)."""
+    layer, of the model's dtype ``world.dtype`` (the same tensors for the same ``seed``,
+    whatever the backend and the cache's dtype); returns the last layer's output
+    ``[T, H, D]``. ``record``: each call also leaves every layer's output in ``step.recorded``
+    (a list of ``L`` tensors; for eager checks, never inside a graph)."""
     L, H, Hkv, D = world.num_layers, world.num_heads, world.num_kv_heads, world.head_dim
-    dev, dtype = world.pool.device, world.pool.dtype
+    dev, dtype = world.pool.device, world.dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
     q_all = torch.randn(L, max_tokens, H, D, device=dev, dtype=dtype, generator=gen)
     k_all = torch.randn(L, max_tokens, Hkv, D, device=dev, dtype=dtype, generator=gen)

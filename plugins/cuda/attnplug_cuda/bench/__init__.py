@@ -13,11 +13,15 @@ benchmark             what it measures (each module's docstring has the details 
                       bandwidth, SDPA, gather + SDPA and flex_attention peers
 ``hybrid_step``       whole 48-layer hybrid steps (decode, draft-extend) through the graph
                       runner: cuda backend vs ``BeforeBackend``, each step against its launch
-                      and bandwidth floors, PDL on vs off, FlashInfer's attention where
+                      and bandwidth floors, PDL on vs off, a bf16 against an FP8 KV cache,
+                      FlashInfer's attention (bf16 and FP8, its best configuration) where
                       ``import flashinfer`` works, the replay preparation at bs 128
 ``kernels``           (only with ``--only kernels``) each kernel alone on its own tensors:
                       attention cases checked against float32 torch, a 32-layer step with PDL
                       on / off, the store and the metadata kernel
+``prefill``           (only with ``--only prefill``) paged causal prefill, D 128 / 256, 1k-16k
+                      tokens and 8 x 1k, page sizes 1 / 16: the cuda backend's EXTEND path vs
+                      FlashInfer's batch prefill on the same cache, TFLOP/s
 ``model_decode``      (only with ``--only model_decode``) decode tokens/s of a 1B-class Gemma3 text
                       model through ``Engine`` vs transformers' static-cache generate
                       (``attnplug.bench.model_decode``; needs transformers)
@@ -26,7 +30,9 @@ benchmark             what it measures (each module's docstring has the details 
 ====================  =========================================================================
 
 Options (``--set NAME=VALUE``): ``skip_cpp`` (do not build the CUDA C++ KV store),
-``flex_budget_s`` (seconds for compiling + timing flex_attention; 0 skips it).
+``flex_budget_s`` (seconds for compiling + timing flex_attention; 0 skips it),
+``hybrid_modes`` (the step modes ``hybrid_step`` runs, comma-separated: ``decode``,
+``draft_extend``; default both).
 Each benchmark runs in its own child process by default; the run's default budget is 560 s.
 It needs a CUDA device (``NeedsCudaDevice`` otherwise). Nothing here imports Triton, the
 kernels or CUDA at import time.
@@ -118,7 +124,8 @@ SUITE = Suite(
         _b("decode_attention", "SWA decode at 32k context: TB/s vs copy bandwidth and peers", 45.0),
         _b(
             "hybrid_step",
-            "whole 48-layer hybrid steps through GraphRunner: new vs before, floors, PDL on/off, FlashInfer",
+            "whole 48-layer hybrid steps through GraphRunner: new vs before, floors, PDL on/off, bf16 vs FP8 KV, "
+            "FlashInfer",
             240.0,
         ),
         _b(
@@ -127,12 +134,18 @@ SUITE = Suite(
             120.0,
             default=False,
         ),
+        _b(
+            "prefill",
+            "paged causal prefill, D 128/256, 1k-16k tokens, page 1/16: EXTEND path vs FlashInfer, TFLOP/s",
+            300.0,
+            default=False,
+        ),
         MODEL_DECODE,
         BATCH_VALIDATION,
     ],
     requires=_require_cuda,
     environment=_environment,
-    options={"skip_cpp": False, "flex_budget_s": 150.0},
+    options={"skip_cpp": False, "flex_budget_s": 150.0, "hybrid_modes": "decode,draft_extend"},
     isolate=True,
     budget_s=DEFAULT_BUDGET_S,
 )

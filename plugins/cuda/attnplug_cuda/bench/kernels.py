@@ -28,6 +28,7 @@ from typing import List, Optional
 import torch
 
 from attnplug.bench import Ctx, bandwidth_row, copy_bandwidth, error_row, free_memory, row
+from attnplug.bench.floors import attention_flops
 
 NAME = "kernels"
 H, HKV, D = 32, 8, 128
@@ -183,7 +184,7 @@ def _attention_row(
         err = float((out.float() - ref).norm() / ref.norm())
     us = ctx.timer.graph_us(fn, rep_ms=20.0 if ctx.quick else 100.0)
     host = ctx.timer.host_us(fn, iters=50 if ctx.quick else 200, warmup=5)
-    flops = 4 * bs * q_len * H * D * (keys if q_len == 1 else (keys - q_len / 2))
+    flops = attention_flops(H, D, [seq_len] * bs, [q_len] * bs, window)
     tb_s = kv_bytes / (us * 1e-6) / 1e12
     tflops = flops / (us * 1e-6) / 1e12
     del c
