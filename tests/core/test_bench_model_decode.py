@@ -2,7 +2,9 @@
 (only run when named), skips cleanly, and its quick run on the host measures both paths on
 the same prompts and gets the same greedy tokens from each; where the backend declares an FP8
 KV cache, the same Engine run over one beside them (tokens/s, and the greedy tokens' agreement
-with the model-dtype KV run, an information figure), and none where it does not."""
+with the model-dtype KV run, an information figure), and none where it does not; and the
+prefill rows (Engine.generate(prompts, 1) against transformers' sdpa forward over the same
+prompts, each shape)."""
 
 from __future__ import annotations
 
@@ -102,3 +104,36 @@ def test_fp8_rows_only_where_the_backend_declares_an_fp8_cache(monkeypatch):
     (ratio,) = [r for r in rows if r["metric"] == "fp8 KV / float32 KV"]
     assert ratio["token_agreement_kv"] == 0.5  # every other position differs in the stub
     assert ratio["value"] == pytest.approx(0.5)  # t(n) - t(1): 2 s over FP8, 1 s over float32
+
+
+def test_prefill_rows_time_both_paths_on_the_same_prompts(monkeypatch):
+    """One row per path and one ratio row per prefill shape: the Engine's time with its EXTEND
+    steps (chunks of max_prefill_tokens), transformers' sdpa forward, the ratio of the two
+    times; float32 on the host: both give the same first tokens; no target on the host."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(md, "_QUICK", {**md._QUICK, "batch_sizes": (), "prefill_shapes": ((1, 600), (3, 20))})
+    rows = md.run(_ctx(quick=True))
+    prefill = [r for r in rows if r.get("series") == "prefill"]
+    assert sorted({r["case"] for r in prefill}) == ["prefill 1x600", "prefill 3x20"]
+    for case, bs, steps in (("prefill 1x600", 1, 2), ("prefill 3x20", 3, 1)):
+        times = {r["variant"]: r for r in prefill if r["case"] == case and r["metric"] == "prefill s"}
+        assert set(times) == {"attnplug", "transformers"} and all(r["value"] > 0 for r in times.values())
+        assert times["attnplug"]["extend_steps"] == steps  # 600 tokens: chunks of 512 and 88
+        assert f"{steps} EXTEND steps" in times["attnplug"]["detail"]
+        assert times["transformers"]["detail"].startswith("transformers sdpa forward")
+        (ratio,) = [r for r in prefill if r["case"] == case and r["metric"] == "transformers / attnplug time"]
+        assert ratio["bs"] == bs and ratio["prompt_len"] == int(case.split("x")[1])
+        assert ratio["value"] == pytest.approx(times["transformers"]["value"] / times["attnplug"]["value"])
+        assert ratio["token_agreement"] == 1.0
+        assert ratio["target"] is None and ratio["met"] is None  # held only on an accelerator
+
+
+def test_prefill_rows_skip_when_time_runs_low(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(md, "_QUICK", {**md._QUICK, "batch_sizes": (), "prefill_shapes": ((1, 8), (2, 8))})
+    monkeypatch.setattr(Ctx, "time_low", lambda self, need_s=30.0: True)
+    rows = md.run(_ctx(quick=True))
+    assert [(r["case"], r["value"], r["notes"]) for r in rows] == [
+        ("prefill 1x8", None, "skipped: time budget"),
+        ("prefill 2x8", None, "skipped: time budget"),
+    ]

@@ -40,6 +40,20 @@ Method, per batch size (1 and 32; ``--quick``: 1 and 4):
   an information figure, never a check; FP8 moves the logits, and random weights have many
   near ties).
 
+Prefill, before the decode rows, per shape ``bs x prompt_len`` of ``PREFILL_SHAPES`` (1 x 2,048,
+8 x 1,024, 32 x 512; ``--quick``: small ones): ``bs`` prompts of random token ids (seed 0), and
+
+* attnplug: ``Engine(model, backend_cls, max_batch_size=bs, ...)`` (default
+  ``max_prefill_tokens``: the prompts run as EXTEND steps of up to 512 tokens), timed
+  ``Engine.generate(prompts, 1)``: the whole prefill and the first token, nothing else;
+* transformers: one forward of the same weights with ``attn_implementation="sdpa"`` over the
+  same ``[bs, prompt_len]`` ids, ``use_cache=False`` and ``logits_to_keep=1`` (the LM head on
+  the last token only, as the Engine), then the argmax;
+* each warmed up once, then the median of ``REPEATS`` synchronised wall-clock times; rows
+  ``prefill BSxLEN``: the time of each path (``variant``) and the ratio transformers /
+  attnplug time (target >= 1: attnplug at least as fast; held only on an accelerator, an
+  information figure on the host), with the share of prompts whose first token both agree on.
+
 Skipped (a row with the reason, no error) when transformers or the integration cannot be
 imported, and for the 1B config on the host (``--quick`` runs the tiny one there).
 """
@@ -58,14 +72,24 @@ from .context import Ctx
 from .rows import row
 from .suite import Benchmark
 
-__all__ = ["BENCHMARK", "build_model", "GEMMA3_1B", "QUICK_CONFIG", "PROMPT_LEN", "NEW_TOKENS", "BATCH_SIZES", "run"]
+__all__ = [
+    "BENCHMARK",
+    "build_model",
+    "GEMMA3_1B",
+    "QUICK_CONFIG",
+    "PROMPT_LEN",
+    "NEW_TOKENS",
+    "BATCH_SIZES",
+    "PREFILL_SHAPES",
+    "run",
+]
 
 NAME = "model_decode"
 #: the entry a suite lists (only run when named: ``attnplug bench --only model_decode``)
 BENCHMARK = Benchmark(
     NAME,
     f"{__name__}:run",
-    "decode tokens/s of a 1B-class Gemma3 text model: Engine vs transformers' static-cache generate",
+    "prefill time and decode tokens/s of a 1B-class Gemma3 text model: Engine vs transformers (sdpa)",
     reserve_s=600.0,
     default=False,
 )
@@ -100,8 +124,10 @@ QUICK_CONFIG = dict(
 PROMPT_LEN = 128
 NEW_TOKENS = 128
 BATCH_SIZES = (1, 32)
+#: the prefill rows' ``(bs, prompt_len)`` shapes (issue 38)
+PREFILL_SHAPES = ((1, 2048), (8, 1024), (32, 512))
 REPEATS = 3
-_QUICK = dict(prompt_len=24, new_tokens=8, batch_sizes=(1, 4), repeats=1)
+_QUICK = dict(prompt_len=24, new_tokens=8, batch_sizes=(1, 4), repeats=1, prefill_shapes=((1, 40), (2, 24)))
 
 
 def _skip(ctx: Ctx, why: str) -> List[dict]:
@@ -257,6 +283,7 @@ def run(ctx: Ctx) -> List[dict]:
     gen = torch.Generator().manual_seed(0)
     config_name = "tiny Gemma3 text" if ctx.quick else "Gemma3 text 1B-class"
     backend_name = getattr(ctx.backend_cls, "name", "?")
+    _prefill_rows(ctx, hf_model, ours_model, config_kwargs, dtype, gen)
     fp8 = _serves_fp8(ctx.backend_cls)
     if not fp8:
         ctx.log(f"{NAME}: backend {backend_name} declares no FP8 KV cache (float8_e4m3fn): no FP8 rows")
@@ -386,3 +413,96 @@ def _fp8_rows(ctx: Ctx, case: str, common: dict, model, prompts, prompt_len: int
         f"{NAME}: bs={common['bs']}: attnplug FP8 KV {tps:,.0f} tok/s vs {kv_name} {base_tps:,.0f} tok/s "
         f"({tps / base_tps:.2f}x); greedy tokens equal to the {kv_name} run's at {agree:.1%} of positions"
     )
+
+
+def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, gen: torch.Generator) -> None:
+    """The prefill rows of the module docstring: ``Engine.generate(prompts, 1)`` against one sdpa
+    forward of transformers over the same prompts, per shape of ``PREFILL_SHAPES``."""
+    from attnplug.integrations.transformers import Engine
+
+    backend_name = getattr(ctx.backend_cls, "name", "?")
+    repeats = _QUICK["repeats"] if ctx.quick else REPEATS
+    config_name = "tiny Gemma3 text" if ctx.quick else "Gemma3 text 1B-class"
+    on_accelerator = ctx.device.type != "cpu"
+    for bs, prompt_len in _QUICK["prefill_shapes"] if ctx.quick else PREFILL_SHAPES:
+        case = f"prefill {bs}x{prompt_len}"
+        if ctx.time_low(need_s=20.0):
+            ctx.rows.append(row(NAME, case, "prefill s", None, "s", notes="skipped: time budget", key=True))
+            continue
+        prompts = torch.randint(0, config_kwargs["vocab_size"], (bs, prompt_len), generator=gen)
+        ids = prompts.to(ctx.device)
+        engine = Engine(
+            ours_model,
+            ctx.backend_cls,
+            max_batch_size=bs,
+            max_context_len=-(-(prompt_len + 1) // 64) * 64,
+            progress=False,
+        )
+
+        host_prompts = prompts.tolist()
+
+        def ours(prompts=host_prompts, engine=engine):
+            return engine.generate(prompts, 1)
+
+        def theirs(ids=ids):
+            with torch.no_grad():
+                logits = hf_model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+            return logits[:, -1].argmax(dim=-1)
+
+        ctx.log(f"{NAME}: {case}: attnplug Engine on {backend_name}, transformers sdpa forward")
+        our_tokens, hf_tokens = ours(), theirs().tolist()  # the warm-ups
+        extend_steps = engine.last_run["steps"]["EXTEND"]
+        our_t = _timed(ctx, ours, repeats)
+        hf_t = _timed(ctx, theirs, repeats)
+        ratio = hf_t / max(our_t, 1e-12)
+        agree = sum(int(o == [h]) for o, h in zip(our_tokens, hf_tokens)) / bs
+        common = dict(
+            bs=bs, series="prefill", dtype=str(dtype).replace("torch.", ""), prompt_len=prompt_len, config=config_name
+        )
+        ctx.rows.append(
+            row(
+                NAME,
+                case,
+                "prefill s",
+                our_t,
+                "s",
+                detail=f"Engine.generate(prompts, 1) on {backend_name}, {extend_steps} EXTEND steps",
+                key=True,
+                variant="attnplug",
+                extend_steps=extend_steps,
+                **common,
+            )
+        )
+        ctx.rows.append(
+            row(
+                NAME,
+                case,
+                "prefill s",
+                hf_t,
+                "s",
+                detail="transformers sdpa forward, logits_to_keep=1",
+                key=True,
+                variant="transformers",
+                **common,
+            )
+        )
+        ctx.rows.append(
+            row(
+                NAME,
+                case,
+                "transformers / attnplug time",
+                ratio,
+                "x",
+                target=">= 1 (at least as fast as transformers)" if on_accelerator else None,
+                met=ratio >= 1.0 if on_accelerator else None,
+                detail=f"first tokens agreeing {agree:.0%}"
+                + ("" if on_accelerator else "; on the host: information, no target"),
+                key=True,
+                token_agreement=agree,
+                **common,
+            )
+        )
+        ctx.log(
+            f"{NAME}: {case}: attnplug {our_t * 1e3:.1f} ms, transformers {hf_t * 1e3:.1f} ms: {ratio:.2f}x; "
+            f"first tokens agreeing {agree:.0%}"
+        )

@@ -13,8 +13,11 @@ The scheduler, between steps, on the host:
   several steps); otherwise it is one batched DECODE step of every running request, replayed
   through a ``GraphRunner`` when graphs are on.
 * **After each step.** Each request takes the argmax of its last token's logits when its
-  prompt is done, out-of-window SWA slots are evicted, and finished requests (``max_new_tokens``
-  tokens, or an EOS token, which is kept) free their slots and row, so others can join.
+  prompt is done (an EXTEND step reads the device only then: one read for the tokens of the
+  prompts it completes, none for a chunk that completes no prompt; its slots, table writes and
+  metadata come from the host's own state, uploaded in one asynchronous copy), out-of-window
+  SWA slots are evicted, and finished requests (``max_new_tokens`` tokens, or an EOS token,
+  which is kept) free their slots and row, so others can join.
 * **Overlap.** Consecutive DECODE steps overlap the host with the device: step ``N + 1`` is
   prepared and enqueued (its input tokens are step ``N``'s argmax, still on the device) before
   the host reads step ``N``'s tokens, so the host work of a step (slot allocation, eviction,
@@ -487,8 +490,9 @@ class Engine:
             extend_seq_lens_cpu=list(new),
         )
         logits = runner.forward(batch, ids_t, positions, logits_indices=ends_t)
-        for r, token in zip(done, logits.argmax(dim=-1).tolist()):
-            self._take(r, token)
+        if done:  # the step's one device read; a chunk that completes no prompt reads nothing
+            for r, token in zip(done, logits.argmax(dim=-1).tolist()):
+                self._take(r, token)
         self._advance(reqs, new)
 
     def _decode_step(self, reqs: Sequence[_Request], pending: Optional[_Pending]) -> tuple:

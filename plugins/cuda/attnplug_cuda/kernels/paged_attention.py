@@ -21,8 +21,10 @@ keys          ``common.KeyTable``        where each request's keys are
 Semantics: new token ``i`` of request ``b`` sits at position ``p = seq_len - q_len_b + i`` and
 attends to keys ``lo <= j <= p`` with ``lo = max(0, p - W + 1)`` under a window ``W``, else
 0; q head ``h`` uses kv head ``h // G``. Logits, the soft cap, sinks, what is no key and an
-FP8 cache's scales as ``common`` says; accumulation is fp32, the output has q's dtype. A query
-with no valid key (a padded request) outputs zeros.
+FP8 cache's scales as ``common`` says; accumulation is fp32, the output has q's dtype. Over an
+FP8 cache a half-precision q and the converted K/V tiles meet in float16 products (q beyond
+float16's range, 65504, is not served there). A query with no valid key (a padded request)
+outputs zeros.
 
 Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV split):
 
@@ -252,6 +254,11 @@ def _paged_attention_kernel(
         k_scale = tl.load(Scales.k + hk * Scales.stride_k)
         v_scale = tl.load(Scales.v + hk * Scales.stride_v)
         qk_scale = qk_scale * k_scale
+        if q.dtype != tl.float32:
+            # products in float16 over an FP8 cache: sm_90 converts a pair of FP8 values to
+            # float16 in one instruction, to bfloat16 only through float32; float16 holds every
+            # FP8 value and P exactly enough, and a half q's values below 65504 in magnitude
+            q = q.to(tl.float16)
 
     kv_col = offs_d  # in kv head hk's rows of the cache
     if New is not None:
