@@ -34,7 +34,10 @@ FROM_CAPABILITIES = (
 
 
 def _check(target: str):
-    results, seconds = suite_runs.run_suite(target)
+    """(passed, skipped, seconds) of the suite without its FP8 axis: the backend declares no FP8
+    cache (``check_capabilities_honest`` checks that it refuses one), so every axis case would
+    skip naming that declaration."""
+    results, seconds = suite_runs.run_suite(target, suite_runs.WITHOUT_FP8_AXIS)
     outcomes = [r.outcome for r in results.values()]
     bad = [f"{r.nodeid}: {r.message}" for r in results.values() if r.outcome not in ("passed", "skipped")]
     assert not bad, "\n".join(bad)
