@@ -229,7 +229,7 @@ def compile_modules(
                             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD", use_tensor_cores=cores
                         )
                         wrapper.plan(
-                            torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                            torch.arange(2, dtype=torch.int32, device=dev),
                             one,
                             one,
                             world.num_heads,

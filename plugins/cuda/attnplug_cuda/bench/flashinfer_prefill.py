@@ -67,7 +67,7 @@ def compile_modules(fi, world: PrefillWorld, head_dims: Sequence[int]) -> Tuple[
             for d in head_dims:
 
                 def job(backend=backend, d=d) -> None:
-                    one = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+                    one = torch.arange(2, dtype=torch.int32, device=dev)
                     wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
                         torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD", backend=backend
                     )
@@ -112,7 +112,8 @@ def measure(ctx: Ctx, world: PrefillWorld, *, head_dims: Sequence[int], rep_ms: 
     P = pool.page_size
     k_cache, v_cache = (buf.view(-1, P, *buf.shape[1:]) for buf in pool.get_kv_buffer(0))
     indptr, pages, last = request_pages(world)
-    qo_indptr = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32).to(pool.device)
+    q_lens = torch.as_tensor(case.q_lens, dtype=torch.int32)
+    qo_indptr = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0, dtype=torch.int32)]).to(pool.device)
     results: Dict[str, Tuple[float, torch.Tensor]] = {}
     errors: Dict[str, str] = {}
     for backend in BACKENDS:
