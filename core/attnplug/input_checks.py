@@ -167,7 +167,7 @@ class InputChecks:
         self._check_prepared_batch(batch)
         T = batch.num_tokens
         model_dtype = self.pool.dtype
-        if self.pool.k_scale is not None and isinstance(q, torch.Tensor):  # FP8 pool: q's dtype, declared
+        if self.pool.is_fp8 and isinstance(q, torch.Tensor):  # an FP8 pool: q's dtype, a declared one
             model_dtype = q.dtype
             served = getattr(self, "_model_dtypes", ())
             if model_dtype not in served:

@@ -20,8 +20,6 @@ why (``PeerUnavailable``). For each case of ``prefill``:
 from __future__ import annotations
 
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Sequence, Tuple
 
 import torch
@@ -29,7 +27,7 @@ import torch
 from attnplug.bench import Ctx
 from attnplug.bench.prefill import PrefillPeer, PrefillWorld, request_pages
 
-from .flashinfer_peer import import_flashinfer
+from .flashinfer_peer import import_flashinfer, run_jobs
 
 __all__ = ["NAME", "BACKENDS", "peer", "measure", "compile_modules"]
 
@@ -86,16 +84,7 @@ def compile_modules(fi, world: PrefillWorld, head_dims: Sequence[int]) -> Tuple[
                     )
 
                 jobs[f"{backend} D={d}"] = job
-        t0 = time.monotonic()
-        failures: Dict[str, str] = {}
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            futures = {name: pool.submit(job) for name, job in jobs.items()}
-            for name, future in futures.items():
-                try:
-                    future.result()
-                except Exception as exc:
-                    failures[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        seconds = time.monotonic() - t0
+        seconds, failures = run_jobs(jobs)
         _compiled[key] = seconds
         return seconds, failures
 
