@@ -44,9 +44,14 @@ so the scenario's outliers saturate). Two judgements:
   reference in float32 on the host; half precision: the half rule above with the reference over
   the FP8 cache in float32 on the host in place of transformers' float32 logits, the reference
   in the case's dtype on the backend's device in place of transformers' own half-precision run
-  and the cosine floor ``FP8_HALF_MIN_COSINE``. The caches themselves:
-  at least ``FP8_MIN_SAME_BYTES`` of the subject's KV bytes equal those of the reference run
-  in the same dtype (float32: the host's; half: the device's), slot for slot;
+  and the cosine floor ``FP8_HALF_MIN_COSINE``. The caches themselves, against the reference
+  run in the same dtype (float32: the host's; half: the device's), slot for slot: the first
+  layer's bytes (its k/v are the tokens' projections, the same in both runs, so this is the
+  store's quantisation rule bit for bit) at least ``FP8_MIN_SAME_BYTES``; every layer's stored
+  values, per K / V and KV head, of the reference's L2 norm within ``FP8_NORM_TOL`` (a layer
+  or head quantised with another's scales moves it by their ratio; a backend whose attention
+  rounds otherwise than the reference's moves later layers' k/v across FP8 rounding
+  boundaries, byte by byte, not their norm);
 * **the quantisation's error** (the looser one): cosine similarity of every new token's logits
   with transformers' eager float32 attention over the unquantised sequence
   ``>= FP8_MIN_COSINE[kv_dtype]``.
@@ -86,6 +91,7 @@ __all__ = [
     "FP8_HALF_MIN_COSINE",
     "FP8_MIN_COSINE",
     "FP8_MIN_SAME_BYTES",
+    "FP8_NORM_TOL",
     "FP8_SATURATE_AT",
     "calibrated_fp8_scales",
     "WINDOW",
@@ -141,13 +147,19 @@ FP8_FP32_MEDIAN_TOL = 1e-3
 #: elements (an FP8 step is 16 to 32 bfloat16 steps). Measured for the reference backend in
 #: bfloat16 itself: 0.997 or more.
 FP8_HALF_MIN_COSINE = 0.99
-#: FP8 KV cache: minimum fraction of the subject's KV cache bytes equal to the reference's in
-#: the same dtype, slot for slot over the slots either wrote (the bytes differ only where the
-#: backend's rounding moved a k/v value across an FP8 rounding boundary). Measured: 1.0 in
-#: float32 and 0.9998 or more in bfloat16 for attention computed in float64; 0.997 with one
-#: FP8 step moved by hand; 0.49 to 0.68 for every layer quantised with layer 0's scales (a bug
-#: the bfloat16 logits alone do not show).
-FP8_MIN_SAME_BYTES = 0.9
+#: FP8 KV cache: minimum fraction of the subject's first-layer KV bytes equal to the
+#: reference's in the same dtype, slot for slot over the slots either wrote (the first layer's
+#: k/v are the same in both runs). Measured: 1.0 for the reference backend and for the cuda
+#: kernels through the Triton interpreter in bfloat16. Later layers are not held to their bytes:
+#: there the cuda kernels' attention, rounding otherwise than the reference's float64, leaves
+#: 0.69 to 0.90 of them equal (0.92 to 0.98 within one FP8 step), as much as a layer quantised
+#: with another layer's scales (0.49 to 0.68 of the whole cache)
+FP8_MIN_SAME_BYTES = 0.999
+#: FP8 KV cache: largest relative difference of the L2 norm of a layer's stored K (V) values of
+#: one KV head (in scale units, the codes' values) from the reference's. Measured in bfloat16:
+#: within 0.001 for the cuda kernels through the Triton interpreter, 0.891 to 1.063 (ratio) for
+#: every layer quantised with layer 0's scales (a bug the bfloat16 logits alone do not show)
+FP8_NORM_TOL = 0.02
 #: FP8 KV cache: minimum cosine similarity of a token's logits with transformers' eager float32
 #: logits over the unquantised sequence (the quantisation's own error, which the backend does
 #: not choose; the looser judgement). Measured for the reference backend on these models with
@@ -517,19 +529,38 @@ def compare_cosine(case: ModelCase, records, expected, min_cosine: float, agains
             )
 
 
-def same_bytes(a, b) -> float:
-    """The fraction of the KV cache bytes of pool ``a`` equal to pool ``b``'s, slot for slot,
-    over every layer's K and V buffers and the slots either pool wrote (a slot whose bytes
-    are all zero in both was never written: a stored k/v row is never exactly zero); read on
-    the host."""
+def _written(a, b, layer: int):
+    """``(which, x, y)`` for K and V of ``layer`` in pools ``a`` and ``b``, on the host, the
+    rows of the slots either pool wrote (a slot whose bytes are all zero in both was never
+    written: a stored k/v row is never exactly zero)."""
+    for which, x, y in zip("KV", a.get_kv_buffer(layer), b.get_kv_buffer(layer)):
+        x, y = x.to("cpu"), y.to("cpu")
+        written = (x.view(torch.uint8) != 0).flatten(1).any(1) | (y.view(torch.uint8) != 0).flatten(1).any(1)
+        yield which, x[written], y[written]
+
+
+def same_bytes(a, b, layer: int) -> float:
+    """The fraction of ``layer``'s KV cache bytes of pool ``a`` equal to pool ``b``'s, slot for
+    slot, over its K and V buffers and the slots either pool wrote; read on the host."""
     equal = total = 0
-    for layer in range(a.num_layers):
-        for x, y in zip(a.get_kv_buffer(layer), b.get_kv_buffer(layer)):
-            x, y = x.view(torch.uint8).to("cpu"), y.view(torch.uint8).to("cpu")
-            written = (x != 0).flatten(1).any(1) | (y != 0).flatten(1).any(1)
-            equal += int((x[written] == y[written]).sum())
-            total += int(written.sum()) * x[0].numel()
+    for _, x, y in _written(a, b, layer):
+        equal += int((x.view(torch.uint8) == y.view(torch.uint8)).sum())
+        total += x.numel()
     return equal / max(total, 1)
+
+
+def norm_departures(a, b, tol: float) -> List[str]:
+    """Where the L2 norm of the values an FP8 pool ``a`` stores (in scale units: the codes'
+    values), per layer, K / V and KV head over the slots either pool wrote, is further than
+    ``tol`` (relative) from pool ``b``'s: ``"layer L K head h: ratio r"`` each; read on the host."""
+    out = []
+    for layer in range(a.num_layers):
+        for which, x, y in _written(a, b, layer):
+            nx, ny = x.float().norm(dim=(0, 2)), y.float().norm(dim=(0, 2))
+            ratio = nx / ny.clamp_min(1e-30)
+            for h in torch.nonzero((ratio - 1).abs() > tol).flatten().tolist():
+                out.append(f"layer {layer} {which} head {h}: ratio {ratio[h].item():.3f}")
+    return out
 
 
 def saturated(pool) -> int:
@@ -707,12 +738,20 @@ def _compare_fp8(case: ModelCase, driver: ModelDriver, model, spec, vocab: int, 
         fp32_median_tol=FP8_FP32_MEDIAN_TOL,
         min_cosine=FP8_HALF_MIN_COSINE,
     )
-    same = same_bytes(driver.runner.pool, twins[-1].runner.pool)
+    pool, twin_pool = driver.runner.pool, twins[-1].runner.pool
+    same = same_bytes(pool, twin_pool, 0)
     if same < FP8_MIN_SAME_BYTES:
         pytest.fail(
             f"{MODEL}: {case.id}: the backend's FP8 KV cache holds other bytes than the reference backend's for the "
-            f"same scenario: {same:.1%} of the bytes equal, slot for slot (minimum {FP8_MIN_SAME_BYTES:.0%}): its "
-            "stores do not quantise the layers' k/v with their scales by attnplug.memory.fp8's rule"
+            f"same k/v (the first layer's): {same:.2%} of the bytes equal, slot for slot (minimum "
+            f"{FP8_MIN_SAME_BYTES:.1%}): its stores do not quantise k/v with their scales by attnplug.memory.fp8's rule"
+        )
+    moved = norm_departures(pool, twin_pool, FP8_NORM_TOL)
+    if moved:
+        pytest.fail(
+            f"{MODEL}: {case.id}: the values the backend's FP8 KV cache stores are not on the reference's scale "
+            f"(L2 norm per layer, K / V and KV head further than {FP8_NORM_TOL:.0%} from the reference's): "
+            f"{'; '.join(moved[:6])}: its stores do not quantise each layer's and head's k/v with their own scales"
         )
     compare_cosine(
         case, driver.records, expected, FP8_MIN_COSINE[case.kv_dtype], "transformers eager float32 (unquantised)"
