@@ -36,6 +36,13 @@ class DevicePart:
     #: ``torch.device(...).type`` this part serves; ``"any"``: whatever device the pool is on
     device_type: str = "any"
 
+    def serves(self, device: torch.device) -> bool:
+        """Whether a backend with this part runs on ``device`` (default: a device of
+        ``device_type``, every device for ``"any"``). A part whose kernels can also run on the
+        host (an interpreter) says so here, so the integrations' backend choice accepts a model
+        there."""
+        return self.device_type in ("any", device.type)
+
     def new_graph(self) -> "DeviceGraph":
         """A fresh graph object of this device (default: the eager stand-in)."""
         from .graphs.device_graph import EagerGraph

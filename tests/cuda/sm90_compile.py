@@ -41,7 +41,8 @@ def drive() -> None:
     from attnplug_conformance.harness import World, WorldSpec
     from attnplug_cuda.tuning import CudaTuning
 
-    cuda_backend.interpreting = lambda: True  # accept a CPU pool: no kernel runs here anyway
+    # accept a CPU pool: no kernel runs here anyway
+    cuda_backend.CudaBackend.device_part.serves = lambda device: True
     common.num_sms = lambda device: 132  # the plans of a 132-SM H100 / H200, not the CPU stand-in
 
     paged = functools.partial(cuda_backend.CudaBackend, tuning=dataclasses.replace(CudaTuning(), one_launch=False))

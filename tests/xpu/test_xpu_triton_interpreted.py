@@ -111,6 +111,23 @@ def test_xpu_backend_refuses_without_triton_for_xpu(monkeypatch):
     inst._check_runtime()
 
 
+def test_integrations_take_the_triton_backends_for_a_host_model_under_the_interpreter(monkeypatch):
+    """A model on the host runs through the xpu and cuda backends while the interpreter runs
+    their kernels (the conformance suite's model check does): the integrations' choice asks
+    the device part, which serves the host then, and no other device."""
+    from attnplug.integrations.choice import BackendChoiceError, backend_class
+
+    cpu = torch.device("cpu")
+    for cls in (XpuTritonBackend, CudaBackend):
+        assert backend_class(cls, cpu) is cls
+        assert cls.device_part.serves(torch.device(cls.device_part.device_type))
+        with pytest.raises(BackendChoiceError, match="move the model"):
+            backend_class(cls, torch.device("meta"))
+    monkeypatch.setattr("attnplug_cuda.kernels.interpret.interpreting", lambda: False)
+    with pytest.raises(BackendChoiceError, match="the model is on cpu"):
+        backend_class(XpuTritonBackend, cpu)
+
+
 def test_xpu_describe_says_which_path_runs(monkeypatch):
     facts = XpuTritonBackend.describe()
     assert facts["pdl"] is False and facts["device_type"] == "xpu"

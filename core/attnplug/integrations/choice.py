@@ -33,7 +33,7 @@ def _device_type(cls: Type[AttentionBackend]) -> str:
 
 
 def _serves(cls: Type[AttentionBackend], device: torch.device) -> bool:
-    return _device_type(cls) in ("any", device.type)
+    return cls.device_part.serves(device)
 
 
 def _default_for(device: torch.device, error) -> Type[AttentionBackend]:

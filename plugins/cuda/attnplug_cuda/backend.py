@@ -58,7 +58,6 @@ from attnplug.graph_buffers import GraphBuffers
 from attnplug.memory.fp8 import FP8_KV_DTYPES, is_fp8
 
 from .device import CudaDevice
-from .kernels.interpret import interpreting
 from .planner import (
     AttentionShape,
     Path,
@@ -105,7 +104,7 @@ class TritonBackend(AttentionBackend):
             if problem is not None:
                 raise BackendConfigError(f"the {self.name} backend cannot serve a {dtype} KV pool here: {problem}")
         super().__init__(pool, req_to_token_pool, **layer)
-        if self.device.type != part.device_type and not interpreting():
+        if not part.serves(self.device):
             raise ValueError(
                 f"the {self.name} backend needs a pool on {self.device_label}, got {self.device} "
                 "(on the CPU it runs only under the Triton interpreter, TRITON_INTERPRET=1)"

@@ -48,6 +48,15 @@ class TritonDevicePart(DevicePart):
     #: the class declares PDL (each instance decides with ``pdl_support``)
     declares_pdl: bool = False
 
+    def serves(self, device: torch.device) -> bool:
+        """A device of ``device_type``, or the host while the Triton interpreter runs the
+        kernels (``TRITON_INTERPRET=1``)."""
+        if super().serves(device):
+            return True
+        from .kernels.interpret import interpreting  # (Triton is imported only when asked)
+
+        return device.type == "cpu" and interpreting()
+
     def pdl_support(self, device: torch.device) -> Tuple[bool, str]:
         """``(compiled with PDL, reason)``: decided once, at construction (the plans carry it)."""
         return False, f"no PDL on {self.device_type}: compiled out (PDL=None in every plan)"
