@@ -9,7 +9,11 @@ attention computed in float64 from the k/v each request was given
 * caches as vLLM lays them out: separate ``[num_blocks, block_size, Hkv, D]`` K and V, and
   the K / V halves of one interleaved ``[num_blocks, block_size, Hkv, 2 * D]`` cache;
 * block sizes 1 and 16; blocks handed out scrambled, block 0 never (the engine's null block),
-  block-table padding of 0 and -1, slot-mapping padding of -1 (skipped);
+  block-table padding of 0 and -1, slot-mapping padding of -1 (skipped). An op layer whose
+  kernels serve only some block sizes declares them in ``native_block_sizes`` (an operator's
+  blocks of 128 and up, say; other block sizes run a slower path or are refused): each case then
+  runs at the declared size of its block size's rank among 1 and 16 (``block_size_for``), the
+  same checks at a size its kernels serve. Op layers without the attribute run 1 and 16;
 * a mixed batch: fresh prompts, chunks of prompts with a cached prefix, decodes, a request
   long enough (300 keys) that a kernel splits the KV range; GQA, a window, soft-cap and sinks
   where declared;
@@ -53,7 +57,7 @@ from attnplug_conformance.support import (
     same_bits,
 )
 
-__all__ = ["check_paged_ops", "CASES"]
+__all__ = ["check_paged_ops", "CASES", "block_size_for"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,20 @@ CASES = [
 
 NUM_HEADS, NUM_KV_HEADS = 8, 2
 
+#: the block sizes the cases name, in rank order (``block_size_for``)
+CASE_BLOCK_SIZES = (1, 16)
+
+
+def block_size_for(ops, case: Case) -> int:
+    """The block size ``case`` runs at over ``ops``: its own, unless the ops declare
+    ``native_block_sizes`` (the block sizes their kernels serve) without it; then the declared
+    size of the same rank as the case's among ``CASE_BLOCK_SIZES`` (the largest declared one
+    when fewer are declared)."""
+    declared = sorted({int(p) for p in (getattr(ops, "native_block_sizes", None) or ())})
+    if not declared or case.block_size in declared:
+        return case.block_size
+    return declared[min(CASE_BLOCK_SIZES.index(case.block_size), len(declared) - 1)]
+
 
 class _Engine:
     """An engine that owns its paged caches: block allocation, slot mappings, each request's
@@ -87,9 +105,11 @@ class _Engine:
     (q, k, v); ``kv_cache_dtype``: the caches' (None: ``dtype``; an FP8 dtype: k / v quantised
     with the engine's scales, ``scale_kwargs``)."""
 
-    def __init__(self, ops, case: Case, dtype, head_dim: int, device, seed: int, kv_cache_dtype=None) -> None:
+    def __init__(
+        self, ops, case: Case, dtype, head_dim: int, device, seed: int, kv_cache_dtype=None, block_size=None
+    ) -> None:
         self.ops, self.case, self.dtype, self.D, self.device = ops, case, dtype, head_dim, device
-        self.P = case.block_size
+        self.P = case.block_size if block_size is None else block_size
         self.gen = torch.Generator().manual_seed(seed)
         self.num_blocks = (640 // self.P) + 8
         self.cache_dtype = kv_cache_dtype or dtype
@@ -369,7 +389,9 @@ def check_paged_ops(attnplug_backend_cls, attnplug_capabilities, attnplug_device
         cfg = base_config(caps, dtype=fp8_model_dtype(ops.dtypes))
     else:
         cfg = base_config(caps)
-    engine = _Engine(ops, case, cfg.dtype, cfg.head_dim, attnplug_device, seed=7, kv_cache_dtype=kv_cache_dtype)
+    block_size = block_size_for(ops, case)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, block_size=block_size)
+    engine = _Engine(ops, case, cfg.dtype, cfg.head_dim, attnplug_device, seed=7, **kw)
     if case.id == "bad_arguments":
         _bad_arguments(engine)
         return
@@ -381,6 +403,7 @@ def check_paged_ops(attnplug_backend_cls, attnplug_capabilities, attnplug_device
         ([c, a, b], [20, 3, 1], "a chunk on a cached prefix beside a verify-like and a decode"),
         ([long, a, b, c], [1, 1, 1, 1], "decodes over 301 and fewer keys"),
     ]
+    at = "" if block_size == case.block_size else f" (at block size {block_size}: the ops' native_block_sizes)"
     for reqs, new, what in steps:
         out, exact = engine.step(reqs, new, sinks=sinks)
-        _compare(out, exact, cfg.dtype, cfg.head_dim, f"{case.id}: {what}")
+        _compare(out, exact, cfg.dtype, cfg.head_dim, f"{case.id}{at}: {what}")

@@ -43,6 +43,8 @@ store slots and the hoisted SWA slots are static buffers updated in place.
 The operators are resolved in ``ops`` (``load_ops``; torch_npu imported when the backend is
 constructed, never when this package is imported). ``ops_module`` is the injection point: a
 zero-argument callable returning a module with the same operators (tests/ascend's stand-in).
+The limits, keywords, mask and store the backend calls them with live in ``fused``, shared with
+the op layer over caches an engine owns (``paged_ops``: ``paged_ops.AscendOps``).
 
 Not yet run on Ascend hardware by this project: verified on the host through a stand-in of the
 operators' documented semantics (tests/ascend, "emulated"); see docs/ascend.md.
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
@@ -60,21 +62,24 @@ from attnplug.backend import AttentionBackend, BackendConfigError, Capabilities,
 from attnplug.batch import ForwardBatch
 from attnplug.env import validation_enabled
 from attnplug.graph_buffers import GraphBuffers
-from attnplug.ops.portable import PortableOps
 
 from .device import AscendDevice
-from .ops import INT32_MAX, NpuOps, load_ops
+from .fused import (
+    FIA_BLOCK_SIZES,
+    FIA_DTYPES,
+    compressed_mask,
+    is_capturing,
+    layer_kwargs,
+    operator_problems,
+    store_skipping,
+)
+from .ops import NpuOps, load_ops
+
+if TYPE_CHECKING:
+    from .paged_ops import AscendOps
 
 __all__ = ["AscendBackend", "HostLengths", "FIA_BLOCK_SIZES"]
 
-#: KV dtypes the fused attention takes (query, key and value: float16 or bfloat16)
-FIA_DTYPES = (torch.float16, torch.bfloat16)
-#: paged attention with more than one query token a request: block_size a multiple of 128 in [128, 512]
-FIA_BLOCK_SIZES = (128, 256, 384, 512)
-#: limits of the fused attention: query heads, head dim, query heads per KV head
-MAX_HEADS, MAX_HEAD_DIM, MAX_GQA_RATIO = 256, 512, 64
-#: the compressed mask ``sparse_mode`` 3 and 4 take: 2048 x 2048, True above the diagonal
-MASK_SIZE = 2048
 #: what ``attnplug info`` says about where this backend was verified
 VERIFIED = "emulated on the host (tests/ascend), not yet run on Ascend hardware"
 
@@ -210,25 +215,27 @@ class AscendBackend(AttentionBackend):
         return facts
 
     @classmethod
-    def paged_ops(cls, device) -> PortableOps:
-        """The op layer over engine-owned caches is still the portable PyTorch path: the fused
-        attention's block sizes (multiples of 128) do not take the caches of any block size
-        that ``PagedOps`` serves (docs/ascend.md)."""
-        return PortableOps(device, name=cls.name, dtypes=cls.dtypes)
+    def paged_ops(cls, device) -> "AscendOps":
+        """The op layer over caches an engine owns (``paged_ops.AscendOps``): the same fused
+        operators where they can serve a call (block sizes ``page_sizes``, contiguous caches,
+        the declared head dims), the portable PyTorch path where they cannot (docs/ascend.md).
+        Resolves the operators now (torch_npu, or ``ops_module``)."""
+        from .paged_ops import AscendOps
+
+        maker = cls.ops_module
+        return AscendOps(
+            device,
+            load_ops(maker() if maker is not None else None),
+            name=cls.name,
+            dtypes=cls.dtypes,
+            head_dims=cls.head_dims,
+            native_block_sizes=cls.page_sizes,
+            device_type=cls.device_part.device_type,
+        )
 
     def _check_operator_limits(self) -> None:
         """What the fused attention refuses, refused at construction (``BackendConfigError``)."""
-        problems = []
-        if self.pool.dtype not in FIA_DTYPES:
-            problems.append(f"the KV dtype {str(self.pool.dtype).replace('torch.', '')} (it takes float16, bfloat16)")
-        if self.head_dim % 16 or self.head_dim > MAX_HEAD_DIM:
-            problems.append(f"head_dim={self.head_dim} (a multiple of 16, at most {MAX_HEAD_DIM})")
-        if self.num_heads > MAX_HEADS:
-            problems.append(f"num_heads={self.num_heads} (at most {MAX_HEADS})")
-        if self.num_heads // self.num_kv_heads > MAX_GQA_RATIO:
-            problems.append(
-                f"num_heads / num_kv_heads = {self.num_heads // self.num_kv_heads} (GQA: at most {MAX_GQA_RATIO})"
-            )
+        problems = operator_problems(self.pool.dtype, self.head_dim, self.num_heads, self.num_kv_heads)
         if problems:
             raise BackendConfigError(f"the {self.name} backend's fused attention cannot serve " + "; ".join(problems))
 
@@ -329,8 +336,7 @@ class AscendBackend(AttentionBackend):
 
     def _atten_mask(self) -> torch.Tensor:
         if self._mask is None:
-            ones = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=self.device)
-            self._mask = torch.triu(ones, diagonal=1)
+            self._mask = compressed_mask(self.device)
         return self._mask
 
     def _step(self, host: HostLengths, tables: _Tables) -> _Step:
@@ -340,21 +346,13 @@ class AscendBackend(AttentionBackend):
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             scale=self.scaling,
-            next_tokens=0,
-            atten_mask=self._atten_mask(),
-            sinks=None,
+            mask=self._atten_mask(),
         )
-        full = self.ops.attention_kwargs(
-            kv_lens=host.kv_full, block_table=tables.full_table, sparse_mode=3, pre_tokens=INT32_MAX, **common
-        )
+        full = layer_kwargs(self.ops, window=None, kv_lens=host.kv_full, block_table=tables.full_table, **common)
         swa = None
         if self.has_swa:
-            swa = self.ops.attention_kwargs(
-                kv_lens=host.kv_swa,
-                block_table=tables.swa_table,
-                sparse_mode=4,
-                pre_tokens=self.sliding_window - 1,
-                **common,
+            swa = layer_kwargs(
+                self.ops, window=self.sliding_window, kv_lens=host.kv_swa, block_table=tables.swa_table, **common
             )
         return _Step(host, tables, full, swa)
 
@@ -475,8 +473,7 @@ class AscendBackend(AttentionBackend):
         return 1
 
     def _capturing(self) -> bool:
-        check = getattr(self.ops.runtime, "is_current_stream_capturing", None)
-        return bool(check()) if check is not None else False
+        return is_capturing(self.ops)
 
     def _captured_attention(self, query, key, value, kwargs, is_swa: bool, sinks) -> torch.Tensor:
         """One layer's attention inside a graph capture: a task group the replay re-issues."""
@@ -506,12 +503,9 @@ class AscendBackend(AttentionBackend):
         the sink's own value back (the operator takes no -1: nothing changes, nothing wraps)."""
         loc, keep = (t.swa_store, t.swa_keep) if is_swa else (t.full_store, t.full_keep)
         kc, vc = self.pool.get_kv_buffer(layer_id)
-        keep = keep[:, None, None]
-        k = torch.where(keep, k, kc[0]).contiguous()
-        v = torch.where(keep, v, vc[0]).contiguous()
         blocks = kc.shape[0] // self.block_size
         shape = (blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.ops.store_kv(k, v, kc.view(shape), vc.view(shape), loc)
+        store_skipping(self.ops, k, v, kc.view(shape), vc.view(shape), loc, keep)
 
     def forward(self, q, k, v, layer_id, batch, save_kv_cache=True, *, sinks=None):
         md = self.forward_metadata
