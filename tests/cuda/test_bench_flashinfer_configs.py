@@ -231,6 +231,11 @@ def test_hybrid_step_modes_option():
     for bad in ("", "verify", "decode,prefill"):
         with pytest.raises(ValueError, match="hybrid_modes"):
             hybrid_step.modes(bad)
+    assert hybrid_step.batch_sizes(SUITE.options["hybrid_sizes"]) == (1, 8, 32, 64, 128)
+    assert hybrid_step.batch_sizes(" 128, 8,64") == (8, 64, 128)
+    for bad in ("", "0", "8,x", "-1"):
+        with pytest.raises(ValueError, match="hybrid_sizes"):
+            hybrid_step.batch_sizes(bad)
     fp8 = hybrid_step.variants()["new-fp8"]
     assert fp8.kv_cache_dtype is FP8 and fp8.floor and fp8.check_attention and not fp8.vs_baseline
     assert (

@@ -32,7 +32,8 @@ benchmark             what it measures (each module's docstring has the details 
 Options (``--set NAME=VALUE``): ``skip_cpp`` (do not build the CUDA C++ KV store),
 ``flex_budget_s`` (seconds for compiling + timing flex_attention; 0 skips it),
 ``hybrid_modes`` (the step modes ``hybrid_step`` runs, comma-separated: ``decode``,
-``draft_extend``; default both).
+``draft_extend``; default both), ``hybrid_sizes`` (its batch sizes, comma-separated; default
+``1,8,32,64,128``).
 Each benchmark runs in its own child process by default; the run's default budget is 560 s.
 It needs a CUDA device (``NeedsCudaDevice`` otherwise). Nothing here imports Triton, the
 kernels or CUDA at import time.
@@ -145,7 +146,12 @@ SUITE = Suite(
     ],
     requires=_require_cuda,
     environment=_environment,
-    options={"skip_cpp": False, "flex_budget_s": 150.0, "hybrid_modes": "decode,draft_extend"},
+    options={
+        "skip_cpp": False,
+        "flex_budget_s": 150.0,
+        "hybrid_modes": "decode,draft_extend",
+        "hybrid_sizes": "1,8,32,64,128",
+    },
     isolate=True,
     budget_s=DEFAULT_BUDGET_S,
 )

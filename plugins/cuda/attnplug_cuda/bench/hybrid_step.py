@@ -8,7 +8,8 @@ world stays within ~12 GB, and its FP8 twin within ~6 GB). Requests are allocate
 ``SWATokenAllocator`` with the out-of-window SWA slots evicted (``attnplug.bench.world``).
 
 Modes: DECODE and DRAFT_EXTEND (4 draft tokens; the suite option ``hybrid_modes`` names the
-ones run); bs = 1, 8, 32, 64, 128 (``--quick``: 1 and 64). Both paths run as CUDA graphs
+ones run); bs = 1, 8, 32, 64, 128 (the suite option ``hybrid_sizes`` names others; ``--quick``:
+1 and 64). Both paths run as CUDA graphs
 through ``attnplug.GraphRunner`` (one bucket: the case's bs): the new path with the cuda
 backend (``seq_lens_cpu=None``), the before path with ``BeforeBackend`` (host
 ``seq_lens_cpu``, per-layer translation, index_put stores, no PDL).
@@ -179,10 +180,22 @@ def modes(option: str) -> tuple:
     return tuple(choices[n] for n in choices if n in names)
 
 
+def batch_sizes(option: str) -> tuple:
+    """The batch sizes of the suite option ``hybrid_sizes`` (``"1,8,32,64,128"``), ascending;
+    ``ValueError`` naming the rule for anything but positive integers."""
+    try:
+        sizes = sorted({int(n) for n in str(option).split(",") if n.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"hybrid_sizes={option!r}: name one or more batch sizes >= 1, comma-separated")
+    return tuple(sizes)
+
+
 def run(ctx: Ctx) -> List[dict]:
     from .floor import EmptyKernelFloor
 
-    sizes = (1, 64) if ctx.quick else (1, 8, 32, 64, 128)
+    sizes = (1, 64) if ctx.quick else batch_sizes(ctx.options.get("hybrid_sizes", "1,8,32,64,128"))
     pdl_ratio = StepRatio(slow="new-no-pdl", fast="new", target=PDL_TARGET, identical=True)
     one_launch = StepRatio(slow="new-two-launch", fast="new")
     store_in_attention = StepRatio(slow="new-store-launch", fast="new", identical=True)
