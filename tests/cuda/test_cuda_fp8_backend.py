@@ -289,6 +289,19 @@ def test_fp8_steps_keep_their_paths_and_schedules(bs, q_len):
     assert plan_step(fp8, 1, 1, 1, CudaTuning(), True).full.first == EARLY
 
 
+def test_fp8_decode_tiles_take_the_16_bit_tiles_bytes():
+    """``paged_attention``'s decode tiles over an FP8 cache hold twice the keys a block up to
+    head dim 128 (the same bytes as the 16-bit tiles'); its flash-attention tiles are the
+    16-bit ones."""
+    t = CudaTuning()
+    for d in (64, 128, 256):
+        decode = LaunchShape(64, 64, 8, 4, d, 1, 1024, None, 132)
+        factor = 2 if d <= 128 else 1
+        assert plan_paged(decode._replace(kv_fp8=True), t).BLOCK_N == factor * plan_paged(decode, t).BLOCK_N
+        extend = LaunchShape(1, 2048, 8, 4, d, 2048, 2048, None, 132)
+        assert plan_paged(extend._replace(kv_fp8=True), t) == plan_paged(extend, t)
+
+
 def test_fp8_split_keys_count_twice():
     """A split's key bound stands for the bytes it streams: FP8 keys (half the bytes) count
     ``fp8_split_keys_factor`` times; factor 1 gives the 16-bit splits back."""

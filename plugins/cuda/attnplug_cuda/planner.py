@@ -21,11 +21,12 @@ capturable in a CUDA graph, and the same shape must always get the same kernel.
 
 An FP8 KV cache (``kv_fp8``) takes the same paths, PDL schedules and graphs (its store is the
 Triton one: the C++ store does not quantise, ``TritonBackend`` picks the Triton store for an
-FP8 pool) and the same tiles, but for two rules: where a split's key count stands for the
+FP8 pool) and the same tiles, but for three rules: where a split's key count stands for the
 bytes it streams (``*_split_keys``) its keys count ``CudaTuning.fp8_split_keys_factor`` times
-as many (a key of an FP8 cache is half the bytes of a 16-bit one), and ``store_attend``'s key
+as many (a key of an FP8 cache is half the bytes of a 16-bit one); ``paged_attention``'s decode
+tiles take twice the keys a block up to head dim 128 (the 16-bit tiles' bytes); and ``store_attend``'s key
 blocks hold at most ``CudaTuning.fp8_block_elems`` elements a 4-warp program (an FP8 tile is
-converted to q's dtype in registers: ``plan_one_launch``).
+converted in registers: ``plan_one_launch``).
 """
 
 from __future__ import annotations
@@ -345,6 +346,10 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     block_m = min(max(16, _pow2(rows)), 128 if block_d <= 128 else 64)
     if block_m <= 16:  # decode / short verify: streaming K and V is the whole cost
         block_n = 64 if block_d <= 128 else 32
+        if shape.kv_fp8 and block_d <= 128:
+            # a key block of the 16-bit tiles' bytes, half the loop's trips, on as many
+            # registers as programs an SM allow (at head dim 256 it would cost one of three)
+            block_n *= 2
         num_warps, num_stages = 4, 2
     else:  # flash-attention tiles
         block_n = 128 if (block_m == 128 and block_d <= 128) else (64 if block_d <= 128 else 32)
@@ -355,7 +360,11 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         span = min(span, max(1, max_q_len) + window - 1)
     base = max(1, num_reqs * num_kv_heads * _cdiv(rows, block_m))
     splits = 1
-    target = t.paged_programs_per_sm * num_sms
+    # Decode tiles split until about ``paged_programs_per_sm`` programs an SM exist. Flash
+    # tiles split only while their programs do not cover the SMs once: a prefill's programs
+    # already hold most of the work, and a split adds float32 partials and a combine launch
+    # (a 1,024-token causal prefill, 256 programs: split in two it took 1.5x the time).
+    target = (t.paged_programs_per_sm if block_m <= 16 else 1) * num_sms
     if base < target:
         splits = min(_cdiv(target, base), _cdiv(span, _split_keys(t.paged_split_keys, shape, t)), t.paged_max_splits)
         splits = max(1, min(splits, t.paged_split_tokens // max(1, num_tokens)))

@@ -69,7 +69,8 @@ class CudaTuning:
     paged_split_keys: int = 256
     #: at most this many (token, split) pairs get a partial: bounds the workspace
     paged_split_tokens: int = 2048
-    #: split the KV range until about this many programs an SM exist
+    #: split a decode tile's KV range until about this many programs an SM exist (flash tiles
+    #: split only while their programs do not cover the SMs once)
     paged_programs_per_sm: int = 3
 
     # FP8 KV caches

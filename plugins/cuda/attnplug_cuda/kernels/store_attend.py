@@ -28,7 +28,9 @@ bandwidth; this kernel shortens the chain:
 * an FP8 cache (``common``): the store quantises the rows (``quantize_kv``) and every program
   folds the step's own keys in after the cached ones, as above, from the rows it read from
   ``k`` / ``v`` quantised the same way (a few rows, not a whole key block): attention sees
-  the values the cache holds.
+  the values the cache holds. A half q meets the converted tiles in float16 products, as in
+  ``paged_attention`` (a pair of FP8 values converts to float16 in one instruction on sm_90,
+  to bfloat16 only through float32).
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots):
@@ -210,6 +212,8 @@ def _store_attend_kernel(
     STORE: tl.constexpr = New is not None
     PRECISION: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
     KV_FP8: tl.constexpr = K.dtype.element_ty.is_fp8()  # the cache stores FP8 (common)
+    # the products' dtype: q's, or float16 for a half q over an FP8 cache (common)
+    QTY: tl.constexpr = tl.float16 if KV_FP8 and PRECISION == "tf32" else Q.dtype.element_ty
     # The step's own keys come after the cached ones, from a small tile of their own: with
     # OWN_BLOCK, and wherever an FP8 step stores (its own rows, read from k / v, are quantised
     # there: a few rows, never a whole key block).
@@ -274,9 +278,9 @@ def _store_attend_kernel(
     if PLAN.OWN_BLOCK:
         # the first block holds cached keys only: its operands go into the products' layouts
         # now (products with zeros, exact), and the step's own keys come after the others
-        # (an FP8 cache's tiles converted to q's dtype first, exactly)
-        k_old = k_old.to(Q.dtype.element_ty)
-        v_old = v_old.to(Q.dtype.element_ty)
+        # (an FP8 cache's tiles converted first, exactly)
+        k_old = k_old.to(QTY)
+        v_old = v_old.to(QTY)
         s_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_D], dtype=k_old.dtype), tl.trans(k_old), input_precision=PRECISION)
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
     if OWN_APART:
@@ -318,10 +322,9 @@ def _store_attend_kernel(
     # (heads in 64 bits: q and out may be head-major views of more than 2**31 elements)
     head64 = head.to(tl.int64)
     q_off = q_rows[:, None] * stride_qt + head64[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=rd_mask, other=0.0)
+    q = tl.load(Q + q_off, mask=rd_mask, other=0.0).to(QTY)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    QTY: tl.constexpr = Q.dtype.element_ty  # an FP8 cache's tiles are converted to it, exactly
     if OWN_APART:  # the first block: cached keys only
         first_key = has_key & ~is_new
         if PLAN.OWN_BLOCK:  # as laid out before the wait
