@@ -87,9 +87,9 @@ def test_heuristic_splits_a_small_batch():
 
 def test_prefill_splits_only_programs_that_do_not_cover_the_sms():
     """Flash tiles split the KV range only while their programs number fewer than the SMs: a
-    1,024-token prompt (8 kv heads x 32 row blocks = 256 programs on 132 SMs) runs unsplit
-    (it ran 1.5x slower split in two on an H100); a 512-token chunk of a long prompt on one kv
-    head still splits; decode tiles still split to about three programs an SM."""
+    1,024-token prompt (8 kv heads x 32 row blocks = 256 programs on 132 SMs) runs unsplit; a
+    512-token chunk of a long prompt on one kv head still splits; decode tiles still split to
+    about three programs an SM."""
     assert plan_attention(1, 1024, 8, 4, 128, 1024, 1024, None, 132).NUM_SPLITS == 1
     chunk = plan_attention(1, 512, 1, 4, 128, 512, 16384, None, 132)
     assert chunk.BLOCK_M == 128 and chunk.NUM_SPLITS > 1

@@ -117,7 +117,7 @@ def test_the_engine_chunks_a_prompt_as_the_plan_sweep_assumes(monkeypatch):
 GEMMA3_1B_SHAPE = dict(num_heads=4, num_kv_heads=1, head_dim=256, window=512)
 
 
-@pytest.mark.parametrize("num_sms", [132, 114])  # H100 / H200 SXM, H100 PCIe: the plans use the SMs
+@pytest.mark.parametrize("num_sms", [132, 114])  # SMs of sm_90 parts (SXM, PCIe): the plans use them
 def test_extend_plans_do_not_grow_with_the_prompt_length(num_sms):
     """Every prompt length 1..2,048 of the 1B-class Gemma3 shape, chunked by the Engine's default
     ``max_prefill_tokens`` (512), planned by the cuda backend's planner (pure Python): each

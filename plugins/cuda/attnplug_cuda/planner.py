@@ -347,8 +347,8 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     if block_m <= 16:  # decode / short verify: streaming K and V is the whole cost
         block_n = 64 if block_d <= 128 else 32
         if shape.kv_fp8 and block_d <= 128:
-            # a key block of the 16-bit tiles' bytes, half the loop's trips, on as many
-            # registers as programs an SM allow (at head dim 256 it would cost one of three)
+            # a key block of the 16-bit tiles' bytes, half the loop's trips, at the same
+            # programs an SM (at head dim 256 the larger block would cost one of them)
             block_n *= 2
         num_warps, num_stages = 4, 2
     else:  # flash-attention tiles
@@ -363,7 +363,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     # Decode tiles split until about ``paged_programs_per_sm`` programs an SM exist. Flash
     # tiles split only while their programs do not cover the SMs once: a prefill's programs
     # already hold most of the work, and a split adds float32 partials and a combine launch
-    # (a 1,024-token causal prefill, 256 programs: split in two it took 1.5x the time).
+    # (docs/benchmarks.md, "Open": the 1,024-token prompt).
     target = (t.paged_programs_per_sm if block_m <= 16 else 1) * num_sms
     if base < target:
         splits = min(_cdiv(target, base), _cdiv(span, _split_keys(t.paged_split_keys, shape, t)), t.paged_max_splits)

@@ -12,7 +12,7 @@ prompt of 4,096 and the batch, page size 16).
   ``BatchPrefillWithPagedKVCacheWrapper`` on the same cache, planned and compiled in set-up,
   the faster of its ``fa3`` / ``fa2`` backends;
 * TFLOP/s = ``2 * 2 * H * D * sum over prompts of T (T + 1) / 2`` / time; targets (issue 38,
-  an H100 / H200): ``flashinfer / cuda >= 1`` at every case, and ``>= 450 TFLOP/s`` at D=128,
+  on an sm_90 GPU): ``flashinfer / cuda >= 1`` at every case, and ``>= 450 TFLOP/s`` at D=128,
   one prompt of 8k and 16k tokens;
 * both checked against float32 attention on sampled queries (``<= 2e-2``).
 
@@ -39,7 +39,7 @@ PAGE_SIZES = (1, 16)
 #: cuda at every case
 TFLOPS_TARGET, TFLOPS_TOKENS = 450.0, (8192, 16384)
 FLASHINFER_TARGET = 1.0
-#: published H100 figures the issue quotes, printed for reference (never measured rows)
+#: the published figures the issue quotes, printed for reference (never measured rows)
 ANCHORS = (
     "published anchors (H100, bf16, D=128, causal, 16k tokens; not measured here): FlashAttention-3 ~616 TFLOP/s, "
     "FlashAttention-2 ~370 TFLOP/s, Triton's fused-attention tutorial ~400-480 TFLOP/s"
