@@ -147,8 +147,14 @@ class PortableOps(PagedOps):
         ks, vs = self.check_scales(k_scale, v_scale, kc)
         if n == 0:
             return
-        store_rows(kc, slot_mapping[:n], key[:n], ks)
-        store_rows(vc, slot_mapping[:n], value[:n], vs)
+        self._store(key[:n], value[:n], kc, vc, slot_mapping[:n], ks, vs)
+
+    @staticmethod
+    def _store(key, value, kc, vc, slots, ks, vs) -> None:
+        """``store_kv`` after its checks: the flat caches (``check_store``), one slot per row,
+        the scales as ``check_scales`` returns them (a subclass's fallback calls it)."""
+        store_rows(kc, slots, key, ks)
+        store_rows(vc, slots, value, vs)
 
     def attend(
         self,
@@ -169,6 +175,12 @@ class PortableOps(PagedOps):
         ks, vs = self.check_scales(k_scale, v_scale, kc)
         if step.num_tokens == 0 or step.num_reqs == 0:
             return out
+        return self._attend(query, kc, vc, step, out, ks, vs, scale=scale, window=window, softcap=softcap, sinks=sinks)
+
+    def _attend(self, query, kc, vc, step, out, ks, vs, *, scale, window, softcap, sinks):
+        """``attend`` of a non-empty step after its checks: the flat caches and output
+        ``check_attend`` returns, the scales ``check_scales`` returns (a subclass's fallback
+        calls it); writes and returns ``out``."""
         if step.token_req is None:
             step = self.plan(
                 step.query_start_loc,

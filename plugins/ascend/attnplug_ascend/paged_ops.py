@@ -241,14 +241,14 @@ class AscendOps(PortableOps):
 
     # ------------------------------------------------------------------ per layer
     def store_kv(self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-        kc, _vc, n = self.check_store(key, value, key_cache, value_cache, slot_mapping)
-        self.check_scales(k_scale, v_scale, kc)
+        kc, vc, n = self.check_store(key, value, key_cache, value_cache, slot_mapping)
+        ks, vs = self.check_scales(k_scale, v_scale, kc)
         if n == 0:
             return
         why = self._store_problem(key_cache, value_cache)
         if why is not None:
             self._fall_back("store_kv", why)
-            super().store_kv(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+            self._store(key[:n], value[:n], kc, vc, slot_mapping[:n], ks, vs)
             return
         slots = slot_mapping[:n]
         keep = (slots >= 1) & (slots < kc.shape[0])
@@ -279,7 +279,7 @@ class AscendOps(PortableOps):
         v_scale=None,
     ):
         kc, vc, result = self.check_attend(query, key_cache, value_cache, step, scale, window, softcap, sinks, out)
-        self.check_scales(k_scale, v_scale, kc)
+        ks, vs = self.check_scales(k_scale, v_scale, kc)
         if step.num_tokens == 0 or step.num_reqs == 0:
             return result
         why = self._attend_problem(step, query, kc, vc, softcap, sinks)
@@ -290,18 +290,8 @@ class AscendOps(PortableOps):
                 why = f"a batch needing {derived[2]} blocks, more than the cache's {kc.shape[0] // step.block_size}"
         if why is not None:
             self._fall_back("attend", why)
-            return super().attend(
-                query,
-                key_cache,
-                value_cache,
-                step,
-                scale=scale,
-                window=window,
-                softcap=softcap,
-                sinks=sinks,
-                out=out,
-                k_scale=k_scale,
-                v_scale=v_scale,
+            return self._attend(
+                query, kc, vc, step, result, ks, vs, scale=scale, window=window, softcap=softcap, sinks=sinks
             )
         table, kv_lens, _ = derived
         H, D, hkv, P = query.shape[1], query.shape[2], kc.shape[1], step.block_size
