@@ -28,9 +28,8 @@ bandwidth; this kernel shortens the chain:
 * an FP8 cache (``common``): the store quantises the rows (``quantize_kv``) and every program
   folds the step's own keys in after the cached ones, as above, from the rows it read from
   ``k`` / ``v`` quantised the same way (a few rows, not a whole key block): attention sees
-  the values the cache holds. A half q meets the converted tiles in float16 products, as in
-  ``paged_attention`` (a pair of FP8 values converts to float16 in one instruction on sm_90,
-  to bfloat16 only through float32).
+  the values the cache holds. The tiles are converted to q's dtype (float16 products for a
+  bfloat16 q, as ``paged_attention`` takes, push the draft tiles past 255 registers on sm_90).
 
 Shapes (``T`` new tokens, ``bs`` requests, ``H`` q heads, ``Hkv`` kv heads, ``G = H / Hkv``,
 ``D`` head dim, ``S`` cache slots):
@@ -212,8 +211,7 @@ def _store_attend_kernel(
     STORE: tl.constexpr = New is not None
     PRECISION: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
     KV_FP8: tl.constexpr = K.dtype.element_ty.is_fp8()  # the cache stores FP8 (common)
-    # the products' dtype: q's, or float16 for a half q over an FP8 cache (common)
-    QTY: tl.constexpr = tl.float16 if KV_FP8 and PRECISION == "tf32" else Q.dtype.element_ty
+    QTY: tl.constexpr = Q.dtype.element_ty  # the products' dtype: an FP8 tile converts to it, exactly
     # The step's own keys come after the cached ones, from a small tile of their own: with
     # OWN_BLOCK, and wherever an FP8 step stores (its own rows, read from k / v, are quantised
     # there: a few rows, never a whole key block).
@@ -322,7 +320,7 @@ def _store_attend_kernel(
     # (heads in 64 bits: q and out may be head-major views of more than 2**31 elements)
     head64 = head.to(tl.int64)
     q_off = q_rows[:, None] * stride_qt + head64[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=rd_mask, other=0.0).to(QTY)
+    q = tl.load(Q + q_off, mask=rd_mask, other=0.0)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if OWN_APART:  # the first block: cached keys only
