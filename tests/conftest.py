@@ -25,6 +25,20 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def _share_the_cpus_between_workers() -> None:
+    """An xdist worker's torch (and the child processes its tests start, through
+    ``OMP_NUM_THREADS``) takes its share of the CPUs, not all of them: with one worker a CPU,
+    torch's default of a thread a CPU in every worker and child oversubscribes the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cpus_between_workers()
+
+
 @pytest.fixture
 def project_registry(tmp_path, monkeypatch):
     """A registry of exactly the attnplug distribution's entry points (what the docs list),

@@ -30,6 +30,7 @@ from attnplug_conformance.harness import World, WorldSpec
 from attnplug_conformance.model_check import transformers_missing
 from attnplug_conformance.plugin import check_names
 from attnplug_conformance.rules import ALL_RULES
+from broken_backends import DirtyTailDeclared
 from worlds import small_spec
 
 pytestmark = pytest.mark.slow  # each case runs the conformance suite on a mutant
@@ -107,8 +108,12 @@ def test_control_mutant_passes_the_whole_suite():
 
 
 def test_declared_failure_is_still_detected():
-    first, results, _ = suite_x("broken_backends:DirtyTailDeclared")
-    assert first is None
+    """A backend's declared failure (``conformance_xfail``) marks the check it names xfail
+    (strict): the check still runs and fails, and the run of that check passes."""
+    (check,) = DirtyTailDeclared.conformance_xfail
+    results, _ = suite_runs.run_suite("broken_backends:DirtyTailDeclared", check)
+    assert results and {r.check for r in results.values()} == {check}
+    assert not [r for r in results.values() if r.outcome in ("failed", "error", "xpassed")]
     assert any(r.outcome == "xfailed" for r in results.values())
 
 
