@@ -35,6 +35,7 @@ __all__ = [
     "engine_tokens",
     "Row",
     "check_row",
+    "side_by_side_env",
     "table",
     "spawn_child",
     "collect_child",
@@ -199,6 +200,15 @@ def check_row(
     for feature in model.features:
         if feature not in features:
             row.problems.append(f"no attnplug layer used the model's {feature}")
+
+
+def side_by_side_env(children: int = 2) -> Dict[str, str]:
+    """This process's environment for one of ``children`` engine runs that share the host's
+    cores at once: each takes its share of them (``OMP_NUM_THREADS``, unless the caller set
+    it), where every engine's torch would otherwise start a thread a core."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // children)))
+    return env
 
 
 def spawn_child(module: str, spec: Dict[str, Any], env: Dict[str, str], work: str, name: str):

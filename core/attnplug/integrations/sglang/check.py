@@ -37,6 +37,7 @@ from ..engine_check import (
     module_main,
     prepare_models,
     run_as_child,
+    side_by_side_env,
     spawn_child,
     table,
 )
@@ -128,7 +129,7 @@ def run_command(args: argparse.Namespace) -> int:
             runs = [{"model": n, "path": paths[n], "mode": m} for m in MODES]
             specs = [(b, {**base, "runs": runs, "attention_backend": b}) for b in results]
             if host:  # side by side on the host's cores
-                started = [(b, spawn_child(_MODULE, spec, dict(os.environ), work, f"{b}-{n}")) for b, spec in specs]
+                started = [(b, spawn_child(_MODULE, spec, side_by_side_env(), work, f"{b}-{n}")) for b, spec in specs]
                 for b, child in started:
                     results[b].update(collect_child(child))
             else:  # one engine at a time on an accelerator

@@ -57,6 +57,7 @@ from ..engine_check import (
     module_main,
     prepare_models,
     run_as_child,
+    side_by_side_env,
     spawn_child,
     table,
 )
@@ -141,7 +142,7 @@ def _run_child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 # ---------------------------------------------------------------------------- the parent
 def _child_env(slots: str, unbound: bool) -> Dict[str, str]:
-    env = dict(os.environ)
+    env = side_by_side_env() if unbound else dict(os.environ)
     if unbound:  # two children share the host's cores: neither pins its threads to them
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.pop("ATTNPLUG_VLLM_SLOTS", None)
