@@ -194,8 +194,8 @@ def _loaded_libstdcxx() -> Optional[str]:
 def _ldflags() -> List[str]:
     """Link the extension against the libstdc++ that torch already uses.
 
-    A g++ that cannot find ``libstdc++.so`` (seen: a wrapper compiler named by ``CXX`` on the
-    H200 image) silently links ``libstdc++.a`` into the extension; the second copy of the
+    A g++ that cannot find ``libstdc++.so`` (seen: a wrapper compiler named by ``CXX`` on a GPU
+    machine's image) silently links ``libstdc++.a`` into the extension; the second copy of the
     C++ runtime then crashes on the first ``std::ostream << long`` (any TORCH_CHECK message
     with a number). Naming the loaded shared library first makes the linker take every C++
     runtime symbol from it, and nothing from the archive."""

@@ -64,7 +64,7 @@ def _require_cuda() -> None:
         raise NeedsCudaDevice(
             "the cuda benchmarks need a CUDA device: torch.cuda.is_available() is False "
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). Run them on an NVIDIA GPU "
-            "(the targets are for an H200, sm_90), or run `attnplug bench --backend reference` here."
+            "(the targets are for an sm_90 GPU of 132 SMs), or run `attnplug bench --backend reference` here."
         )
 
 

@@ -67,7 +67,7 @@ from attnplug.bench.step_case import PrepCheck, StepPeer, StepRatio, StepShape, 
 NAME = "hybrid_step"
 NUM_LAYERS, CONTEXT, WINDOW, NUM_DRAFT = 48, 1024, 256, 4
 TARGET_SPEEDUP = 1.5
-#: (mode, bs) -> microseconds per whole step the new path is held to (an H200)
+#: (mode, bs) -> microseconds per whole step the new path is held to (an sm_90 GPU of 132 SMs)
 TIME_TARGETS_US = {
     (ForwardMode.DECODE, 1): 150.0,
     (ForwardMode.DECODE, 8): 250.0,
