@@ -26,6 +26,7 @@ from attnplug_ascend.backend import AscendBackend
 from attnplug_ascend.fused import FIA_DTYPES
 from attnplug_ascend.ops import load_ops
 from attnplug_ascend.paged_ops import AscendOps, AscendStep
+from attnplug_conformance.checks.check_paged_ops import padded_block_table
 from attnplug_conformance.exact import LONG_TOL
 
 #: the engine's step pattern: prompts (one of 300 keys), decodes beside a fresh prompt, a chunk
@@ -112,11 +113,7 @@ class Twin:
             start = self.hist_k[r].shape[0] if r < len(self.hist_k) else 0
             slots += [self.slot(r, start + i) for i in range(n)]
             seq.append(start + n)
-        width = max(len(self.blocks[r]) for r in reqs) + 2
-        table = torch.full((len(reqs), width), -1, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, : len(self.blocks[r])] = torch.tensor(self.blocks[r], dtype=torch.int32)
-            table[i, len(self.blocks[r])] = 0  # padding: the null block
+        table = padded_block_table([self.blocks[r] for r in reqs])
         qsl = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
         return k, v, q, torch.tensor(slots + [-1] * 3), qsl, torch.tensor(seq, dtype=torch.int32), table
 

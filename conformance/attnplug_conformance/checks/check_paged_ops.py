@@ -88,6 +88,16 @@ NUM_HEADS, NUM_KV_HEADS = 8, 2
 CASE_BLOCK_SIZES = (1, 16)
 
 
+def padded_block_table(blocks: List[List[int]]) -> torch.Tensor:
+    """An engine's block table (int32 ``[B, max blocks + 2]``) of each request's ``blocks``:
+    a request's row padded past its blocks with the null block 0, then ``-1``."""
+    table = torch.full((len(blocks), max(len(b) for b in blocks) + 2), -1, dtype=torch.int32)
+    for i, b in enumerate(blocks):
+        table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        table[i, len(b)] = 0  # padding: the null block
+    return table
+
+
 def block_size_for(ops, case: Case) -> int:
     """The block size ``case`` runs at over ``ops``: its own, unless the ops declare
     ``native_block_sizes`` (the block sizes their kernels serve) without it; then the declared
@@ -180,11 +190,7 @@ class _Engine:
         slot_mapping = torch.tensor(slots + [-1] * pad, dtype=torch.int64)
         k_in = torch.cat([k, self.rand(pad, NUM_KV_HEADS, self.D)])
         v_in = torch.cat([v, self.rand(pad, NUM_KV_HEADS, self.D)])
-        width = max(len(self.blocks[r]) for r in reqs) + 2
-        table = torch.full((len(reqs), width), -1, dtype=torch.int32)
-        for i, r in enumerate(reqs):
-            table[i, : len(self.blocks[r])] = torch.tensor(self.blocks[r], dtype=torch.int32)
-            table[i, len(self.blocks[r])] = 0  # padding: the null block
+        table = padded_block_table([self.blocks[r] for r in reqs])
         qsl = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
         dev = self.device
         before = self._snapshot()
