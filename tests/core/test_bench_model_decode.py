@@ -115,10 +115,12 @@ def test_prefill_rows_time_both_paths_on_the_same_prompts(monkeypatch):
     rows = md.run(_ctx(quick=True))
     prefill = [r for r in rows if r.get("series") == "prefill"]
     assert sorted({r["case"] for r in prefill}) == ["prefill 1x600", "prefill 3x20"]
-    for case, bs, steps in (("prefill 1x600", 1, 2), ("prefill 3x20", 3, 1)):
+    from attnplug.integrations.transformers.engine import DEFAULT_MAX_PREFILL_TOKENS as chunk
+
+    for case, bs, steps in (("prefill 1x600", 1, -(-600 // chunk)), ("prefill 3x20", 3, 1)):
         times = {r["variant"]: r for r in prefill if r["case"] == case and r["metric"] == "prefill s"}
         assert set(times) == {"attnplug", "transformers"} and all(r["value"] > 0 for r in times.values())
-        assert times["attnplug"]["extend_steps"] == steps  # 600 tokens: chunks of 512 and 88
+        assert times["attnplug"]["extend_steps"] == steps  # the Engine's default chunks
         assert f"{steps} EXTEND steps" in times["attnplug"]["detail"]
         assert times["transformers"]["detail"].startswith("transformers sdpa forward")
         (ratio,) = [r for r in prefill if r["case"] == case and r["metric"] == "transformers / attnplug time"]

@@ -119,8 +119,8 @@ GEMMA3_1B_SHAPE = dict(num_heads=4, num_kv_heads=1, head_dim=256, window=512)
 
 @pytest.mark.parametrize("num_sms", [132, 114])  # SMs of sm_90 parts (SXM, PCIe): the plans use them
 def test_extend_plans_do_not_grow_with_the_prompt_length(num_sms):
-    """Every prompt length 1..2,048 of the 1B-class Gemma3 shape, chunked by the Engine's default
-    ``max_prefill_tokens`` (512), planned by the cuda backend's planner (pure Python): each
+    """Every prompt length 1..2,048 of the 1B-class Gemma3 shape, chunked by a
+    ``max_prefill_tokens`` of 512, planned by the cuda backend's planner (pure Python): each
     distinct (path, full plan, SWA plan) is one compile of the step's kernels. The plans are
     a function of the chunk, never of the prompt length: a prompt longer than a chunk adds no
     plan, and each plan serves one contiguous range of chunk lengths (the planner's pow2 tiles

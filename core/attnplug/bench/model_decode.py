@@ -44,7 +44,7 @@ Prefill, before the decode rows, per shape ``bs x prompt_len`` of ``PREFILL_SHAP
 8 x 1,024, 32 x 512; ``--quick``: small ones): ``bs`` prompts of random token ids (seed 0), and
 
 * attnplug: ``Engine(model, backend_cls, max_batch_size=bs, ...)`` (default
-  ``max_prefill_tokens``: the prompts run as EXTEND steps of up to 512 tokens), timed
+  ``max_prefill_tokens``: the prompts run as EXTEND steps of up to 8,192 tokens), timed
   ``Engine.generate(prompts, 1)``: the whole prefill and the first token, nothing else;
 * transformers: one forward of the same weights with ``attn_implementation="sdpa"`` over the
   same ``[bs, prompt_len]`` ids, ``use_cache=False`` and ``logits_to_keep=1`` (the LM head on
