@@ -11,6 +11,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 from hf_helpers import random_prompts  # noqa: E402
 
 from attnplug.integrations.transformers import Engine, tiny_model  # noqa: E402
+from attnplug.integrations.transformers.engine import DEFAULT_MAX_PREFILL_TOKENS  # noqa: E402
 
 # the reads a tensor's value makes on the host (each waits for the device where one exists)
 _READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__"}
@@ -117,23 +118,26 @@ def test_the_engine_chunks_a_prompt_as_the_plan_sweep_assumes(monkeypatch):
 GEMMA3_1B_SHAPE = dict(num_heads=4, num_kv_heads=1, head_dim=256, window=512)
 
 
+@pytest.mark.parametrize("max_prefill", [512, DEFAULT_MAX_PREFILL_TOKENS])
 @pytest.mark.parametrize("num_sms", [132, 114])  # SMs of sm_90 parts (SXM, PCIe): the plans use them
-def test_extend_plans_do_not_grow_with_the_prompt_length(num_sms):
-    """Every prompt length 1..2,048 of the 1B-class Gemma3 shape, chunked by a
-    ``max_prefill_tokens`` of 512, planned by the cuda backend's planner (pure Python): each
+def test_extend_plans_do_not_grow_with_the_prompt_length(num_sms, max_prefill):
+    """Every prompt length 1..4 x ``max_prefill`` of the 1B-class Gemma3 shape, chunked by a
+    ``max_prefill_tokens`` of 512 and the Engine's default, planned by the cuda backend's
+    planner (pure Python): each
     distinct (path, full plan, SWA plan) is one compile of the step's kernels. The plans are
     a function of the chunk, never of the prompt length: a prompt longer than a chunk adds no
     plan, and each plan serves one contiguous range of chunk lengths (the planner's pow2 tiles
     and split thresholds), so their number is bounded by the thresholds, not by the lengths
-    (11 on 132 SMs when this was written; printed with ``-s``)."""
+    (on 132 SMs when this was written: 11 for chunks of 512, 35 for chunks of 8,192; printed
+    with ``-s``)."""
     planner = pytest.importorskip("attnplug_cuda.planner")
     from attnplug_cuda.tuning import CudaTuning
 
     tuning = CudaTuning()
-    max_prefill = 512
-    shape = planner.AttentionShape(max_context_len=2112, num_sms=num_sms, **GEMMA3_1B_SHAPE)
+    longest = 4 * max_prefill
+    shape = planner.AttentionShape(max_context_len=longest + 64, num_sms=num_sms, **GEMMA3_1B_SHAPE)
     plans_of = {}  # plan -> chunk lengths it serves
-    for length in range(1, 2049):
+    for length in range(1, longest + 1):
         for n in _chunks(length, max_prefill):
             plan = planner.plan_step(shape, 1, n, n, tuning, True)
             plans_of.setdefault(plan, set()).add(n)
@@ -142,5 +146,5 @@ def test_extend_plans_do_not_grow_with_the_prompt_length(num_sms):
     for plan, ns in plans_of.items():  # one contiguous range of chunk lengths each
         assert max(ns) - min(ns) + 1 == len(ns), (plan, sorted(ns))
     kernels = {p.full.kernel for p in plans_of} | {p.swa.kernel for p in plans_of}
-    print(f"\n{num_sms} SMs: {len(plans_of)} step plans, {len(kernels)} kernel plans for prompts of 1..2048 tokens")
+    print(f"\n{num_sms} SMs: {len(plans_of)} step plans, {len(kernels)} kernel plans, prompts of 1..{longest} tokens")
     assert len(plans_of) < max_prefill  # far from one per length (the number is reported, not pinned)
