@@ -123,13 +123,13 @@ GEMMA3_1B_SHAPE = dict(num_heads=4, num_kv_heads=1, head_dim=256, window=512)
 def test_extend_plans_do_not_grow_with_the_prompt_length(num_sms, max_prefill):
     """Every prompt length 1..4 x ``max_prefill`` of the 1B-class Gemma3 shape, chunked by a
     ``max_prefill_tokens`` of 512 and the Engine's default, planned by the cuda backend's
-    planner (pure Python): each
-    distinct (path, full plan, SWA plan) is one compile of the step's kernels. The plans are
+    planner (pure Python): each distinct (path, full plan, SWA plan) is one compile of the
+    step's kernels. The plans are
     a function of the chunk, never of the prompt length: a prompt longer than a chunk adds no
     plan, and each plan serves one contiguous range of chunk lengths (the planner's pow2 tiles
     and split thresholds), so their number is bounded by the thresholds, not by the lengths
-    (on 132 SMs when this was written: 11 for chunks of 512, 35 for chunks of 8,192; printed
-    with ``-s``)."""
+    (on 132 SMs when this was written: 12 for chunks of 512, 64 for chunks of 8,192, most of
+    them the KV split counts of chunks too short to cover the SMs; printed with ``-s``)."""
     planner = pytest.importorskip("attnplug_cuda.planner")
     from attnplug_cuda.tuning import CudaTuning
 
