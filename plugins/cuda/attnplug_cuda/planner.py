@@ -351,8 +351,8 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
             # programs an SM (at head dim 256 the larger block would cost one of them)
             block_n *= 2
         num_warps, num_stages = 4, 2
-    else:  # flash-attention tiles (long extends: 128 rows of 128 keys, 64 at head dim 256, 8 warps)
-        block_n = (128 if block_m == 128 else 64) if block_d <= 128 else (64 if block_m == 128 else 32)
+    else:  # flash-attention tiles: 128 rows of 128 keys (64 at head dim 256), half the keys below 128 rows
+        block_n = (128 if block_d <= 128 else 64) // (1 if block_m == 128 else 2)
         num_warps, num_stages = max(8 if block_m * block_d >= 128 * 128 else 4, t.min_flash_warps), 2
     block_n = min(block_n, t.max_block_n)
     span = max(1, max_kv_len)
