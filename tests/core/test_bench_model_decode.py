@@ -107,11 +107,14 @@ def test_fp8_rows_only_where_the_backend_declares_an_fp8_cache(monkeypatch):
 
 
 def test_prefill_rows_time_both_paths_on_the_same_prompts(monkeypatch):
-    """One row per path and one ratio row per prefill shape: the Engine's time with its EXTEND
-    steps (chunks of max_prefill_tokens), transformers' sdpa forward, the ratio of the two
-    times; float32 on the host: both give the same first tokens; no target on the host."""
+    """Per prefill shape: the compiled Engine's time (the held row) and the eager Engine's, each
+    with its EXTEND steps (chunks of max_prefill_tokens), transformers' sdpa forward, and the
+    ratio of transformers' time to each; float32 on the host: every path gives the same first
+    tokens; no target on the host. (``aot_eager`` stands in for inductor on the host: the same
+    traced graphs, no code generated.)"""
     pytest.importorskip("transformers")
     monkeypatch.setattr(md, "_QUICK", {**md._QUICK, "batch_sizes": (), "prefill_shapes": ((1, 600), (3, 20))})
+    monkeypatch.setattr(md, "PREFILL_COMPILE", "aot_eager")
     rows = md.run(_ctx(quick=True))
     prefill = [r for r in rows if r.get("series") == "prefill"]
     assert sorted({r["case"] for r in prefill}) == ["prefill 1x600", "prefill 3x20"]
@@ -119,15 +122,18 @@ def test_prefill_rows_time_both_paths_on_the_same_prompts(monkeypatch):
 
     for case, bs, steps in (("prefill 1x600", 1, -(-600 // chunk)), ("prefill 3x20", 3, 1)):
         times = {r["variant"]: r for r in prefill if r["case"] == case and r["metric"] == "prefill s"}
-        assert set(times) == {"attnplug", "transformers"} and all(r["value"] > 0 for r in times.values())
-        assert times["attnplug"]["extend_steps"] == steps  # the Engine's default chunks
-        assert f"{steps} EXTEND steps" in times["attnplug"]["detail"]
+        assert set(times) == {"attnplug", "attnplug eager", "transformers"}
+        assert all(r["value"] > 0 for r in times.values())
+        assert times["attnplug"]["path"] == "compiled model" and times["attnplug eager"]["path"] == "eager model"
+        for variant in ("attnplug", "attnplug eager"):
+            assert times[variant]["extend_steps"] == steps  # the Engine's default chunks
+            assert f"{steps} EXTEND steps of the {times[variant]['path']}" in times[variant]["detail"]
+            (ratio,) = [r for r in prefill if r["case"] == case and r["metric"] == f"transformers / {variant} time"]
+            assert ratio["bs"] == bs and ratio["prompt_len"] == int(case.split("x")[1])
+            assert ratio["value"] == pytest.approx(times["transformers"]["value"] / times[variant]["value"])
+            assert ratio["token_agreement"] == 1.0
+            assert ratio["target"] is None and ratio["met"] is None  # held only on an accelerator
         assert times["transformers"]["detail"].startswith("transformers sdpa forward")
-        (ratio,) = [r for r in prefill if r["case"] == case and r["metric"] == "transformers / attnplug time"]
-        assert ratio["bs"] == bs and ratio["prompt_len"] == int(case.split("x")[1])
-        assert ratio["value"] == pytest.approx(times["transformers"]["value"] / times["attnplug"]["value"])
-        assert ratio["token_agreement"] == 1.0
-        assert ratio["target"] is None and ratio["met"] is None  # held only on an accelerator
 
 
 def test_prefill_rows_skip_when_time_runs_low(monkeypatch):

@@ -61,3 +61,30 @@ def test_generate_command_compiles_on_request(capsys, monkeypatch):
     monkeypatch.setattr(engine_module, "Engine", Recording)  # the command imports it when it runs
     code = cli.main(["generate", "--tiny", "llama", "--backend", "reference", "--tokens", "5,6,7", "--compile"])
     assert code == 0 and seen["compile"] is True
+
+
+def test_compiled_extend_steps_serve_every_length_without_recompiling():
+    """With ``compile``, eager steps (EXTEND chunks of any length, and here the DECODE steps:
+    no graphs) run the model compiled once for a symbolic token count: after one step of a
+    single prompt and one of two (the sizes 1 that ``torch.compile`` specialises), prompts of
+    new lengths and counts compile nothing more, and the tokens are transformers' own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    reference = tiny_model("gemma3_text")
+    engine = Engine(
+        tiny_model("gemma3_text"), "reference", max_batch_size=3, max_context_len=64, cuda_graphs=False,
+        compile="aot_eager",
+    )  # fmt: skip
+    for warm in ([[5, 6, 7, 8, 9, 10, 11]], [[40, 41, 42], [12, 13, 14, 15]]):
+        assert engine.generate(warm, 3) == [hf_greedy(reference, p, 3) for p in warm]
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0  # the eager steps ran a compiled model
+    for prompts in (
+        [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]],
+        [[3, 4, 5, 6, 7], [8, 9], [20, 21, 22, 23, 24, 25, 26, 27, 28]],
+        [list(range(20, 45)), [50, 51, 52, 53, 54, 55]],
+    ):
+        assert engine.generate(prompts, 3) == [hf_greedy(reference, p, 3) for p in prompts]
+    assert counters["stats"]["unique_graphs"] == compiled, "a new prompt length recompiled the model"

@@ -43,16 +43,21 @@ Method, per batch size (1 and 32; ``--quick``: 1 and 4):
 Prefill, before the decode rows, per shape ``bs x prompt_len`` of ``PREFILL_SHAPES`` (1 x 2,048,
 8 x 1,024, 32 x 512; ``--quick``: small ones): ``bs`` prompts of random token ids (seed 0), and
 
-* attnplug: ``Engine(model, backend_cls, max_batch_size=bs, ...)`` (default
-  ``max_prefill_tokens``: the prompts run as EXTEND steps of up to 8,192 tokens), timed
-  ``Engine.generate(prompts, 1)``: the whole prefill and the first token, nothing else;
+* attnplug: ``Engine(model, backend_cls, max_batch_size=bs, compile=PREFILL_COMPILE, ...)``
+  (default ``max_prefill_tokens``: the prompts run as EXTEND steps of up to 8,192 tokens, of
+  the model compiled once for every chunk length, as the decode rows' Engine compiles; when
+  compiling fails, the eager Engine's time, the row's ``notes`` saying why), timed
+  ``Engine.generate(prompts, 1)``: the whole prefill and the first token, nothing else; beside
+  it the same Engine uncompiled (variant ``attnplug eager``, information);
 * transformers: one forward of the same weights with ``attn_implementation="sdpa"`` over the
   same ``[bs, prompt_len]`` ids, ``use_cache=False`` and ``logits_to_keep=1`` (the LM head on
   the last token only, as the Engine), then the argmax;
 * each warmed up once, then the median of ``REPEATS`` synchronised wall-clock times; rows
   ``prefill BSxLEN``: the time of each path (``variant``) and the ratio transformers /
-  attnplug time (target >= 1: attnplug at least as fast; held only on an accelerator, an
-  information figure on the host), with the share of prompts whose first token both agree on.
+  attnplug time for each Engine (target >= 1 for the compiled one: attnplug at least as fast;
+  held only on an accelerator, an information figure on the host), with the share of prompts
+  whose first token both agree on. Any compilation happens in the compiled Engine's warm-up
+  (untimed).
 
 Skipped (a row with the reason, no error) when transformers or the integration cannot be
 imported, and for the 1B config on the host (``--quick`` runs the tiny one there).
@@ -126,6 +131,9 @@ NEW_TOKENS = 128
 BATCH_SIZES = (1, 32)
 #: the prefill rows' ``(bs, prompt_len)`` shapes (issue 38)
 PREFILL_SHAPES = ((1, 2048), (8, 1024), (32, 512))
+#: the prefill rows' Engine ``compile`` (as the decode rows' Engine: its EXTEND steps run the model
+#: compiled once for every chunk length); the eager Engine is timed beside it
+PREFILL_COMPILE = True
 REPEATS = 3
 _QUICK = dict(prompt_len=24, new_tokens=8, batch_sizes=(1, 4), repeats=1, prefill_shapes=((1, 40), (2, 24)))
 
@@ -415,11 +423,25 @@ def _fp8_rows(ctx: Ctx, case: str, common: dict, model, prompts, prompt_len: int
     )
 
 
-def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, gen: torch.Generator) -> None:
-    """The prefill rows of the module docstring: ``Engine.generate(prompts, 1)`` against one sdpa
-    forward of transformers over the same prompts, per shape of ``PREFILL_SHAPES``."""
+def _prefill_engine(ctx: Ctx, model, bs: int, prompt_len: int, compile_model):
+    """The prefill rows' Engine for ``bs`` prompts of ``prompt_len`` tokens (``compile_model``:
+    its ``compile``)."""
     from attnplug.integrations.transformers import Engine
 
+    return Engine(
+        model,
+        ctx.backend_cls,
+        max_batch_size=bs,
+        max_context_len=-(-(prompt_len + 1) // 64) * 64,
+        progress=False,
+        compile=compile_model,
+    )
+
+
+def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, gen: torch.Generator) -> None:
+    """The prefill rows of the module docstring: ``Engine.generate(prompts, 1)``, compiled
+    (``PREFILL_COMPILE``) and eager, against one sdpa forward of transformers over the same
+    prompts, per shape of ``PREFILL_SHAPES``."""
     backend_name = getattr(ctx.backend_cls, "name", "?")
     repeats = _QUICK["repeats"] if ctx.quick else REPEATS
     config_name = "tiny Gemma3 text" if ctx.quick else "Gemma3 text 1B-class"
@@ -431,47 +453,29 @@ def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, ge
             continue
         prompts = torch.randint(0, config_kwargs["vocab_size"], (bs, prompt_len), generator=gen)
         ids = prompts.to(ctx.device)
-        engine = Engine(
-            ours_model,
-            ctx.backend_cls,
-            max_batch_size=bs,
-            max_context_len=-(-(prompt_len + 1) // 64) * 64,
-            progress=False,
-        )
-
         host_prompts = prompts.tolist()
-
-        def ours(prompts=host_prompts, engine=engine):
-            return engine.generate(prompts, 1)
 
         def theirs(ids=ids):
             with torch.no_grad():
                 logits = hf_model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
             return logits[:, -1].argmax(dim=-1)
 
-        ctx.log(f"{NAME}: {case}: attnplug Engine on {backend_name}, transformers sdpa forward")
-        our_tokens, hf_tokens = ours(), theirs().tolist()  # the warm-ups
-        extend_steps = engine.last_run["steps"]["EXTEND"]
-        our_t = _timed(ctx, ours, repeats)
+        ctx.log(f"{NAME}: {case}: attnplug Engine on {backend_name} (compiled, eager), transformers sdpa forward")
+        hf_tokens = theirs().tolist()  # the warm-up
+        # the compiled Engine's warm-up compiles its EXTEND steps (once for every length)
+        note, engine = "", _prefill_engine(ctx, ours_model, bs, prompt_len, PREFILL_COMPILE)
+        try:
+            compiled_tokens = engine.generate(host_prompts, 1)
+        except Exception as exc:  # compiling failed: the row times the eager Engine, saying why
+            note = f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+            engine = None
+        eager = _prefill_engine(ctx, ours_model, bs, prompt_len, False)
+        eager_tokens = eager.generate(host_prompts, 1)
+        if engine is None:
+            engine, compiled_tokens = eager, eager_tokens
         hf_t = _timed(ctx, theirs, repeats)
-        ratio = hf_t / max(our_t, 1e-12)
-        agree = sum(int(o == [h]) for o, h in zip(our_tokens, hf_tokens)) / bs
         common = dict(
             bs=bs, series="prefill", dtype=str(dtype).replace("torch.", ""), prompt_len=prompt_len, config=config_name
-        )
-        ctx.rows.append(
-            row(
-                NAME,
-                case,
-                "prefill s",
-                our_t,
-                "s",
-                detail=f"Engine.generate(prompts, 1) on {backend_name}, {extend_steps} EXTEND steps",
-                key=True,
-                variant="attnplug",
-                extend_steps=extend_steps,
-                **common,
-            )
         )
         ctx.rows.append(
             row(
@@ -486,23 +490,47 @@ def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, ge
                 **common,
             )
         )
-        ctx.rows.append(
-            row(
-                NAME,
-                case,
-                "transformers / attnplug time",
-                ratio,
-                "x",
-                target=">= 1 (at least as fast as transformers)" if on_accelerator else None,
-                met=ratio >= 1.0 if on_accelerator else None,
-                detail=f"first tokens agreeing {agree:.0%}"
-                + ("" if on_accelerator else "; on the host: information, no target"),
-                key=True,
-                token_agreement=agree,
-                **common,
+        times = {}
+        for variant, eng, tokens in (("attnplug", engine, compiled_tokens), ("attnplug eager", eager, eager_tokens)):
+            times[variant] = t = _timed(ctx, lambda eng=eng, p=host_prompts: eng.generate(p, 1), repeats)
+            steps = eng.last_run["steps"]["EXTEND"]
+            path = "compiled model" if eng.runner.compile else "eager model"
+            ctx.rows.append(
+                row(
+                    NAME,
+                    case,
+                    "prefill s",
+                    t,
+                    "s",
+                    detail=f"Engine.generate(prompts, 1) on {backend_name}, {steps} EXTEND steps of the {path}",
+                    notes=note if variant == "attnplug" else "",
+                    key=variant == "attnplug",
+                    variant=variant,
+                    extend_steps=steps,
+                    path=path,
+                    **common,
+                )
             )
-        )
+            agree = sum(int(o == [h]) for o, h in zip(tokens, hf_tokens)) / bs
+            ratio = hf_t / max(t, 1e-12)
+            held = variant == "attnplug" and on_accelerator
+            ctx.rows.append(
+                row(
+                    NAME,
+                    case,
+                    f"transformers / {variant} time",
+                    ratio,
+                    "x",
+                    target=">= 1 (at least as fast as transformers)" if held else None,
+                    met=ratio >= 1.0 if held else None,
+                    detail=f"first tokens agreeing {agree:.0%}"
+                    + ("" if on_accelerator else "; on the host: information, no target"),
+                    key=variant == "attnplug",
+                    token_agreement=agree,
+                    **common,
+                )
+            )
         ctx.log(
-            f"{NAME}: {case}: attnplug {our_t * 1e3:.1f} ms, transformers {hf_t * 1e3:.1f} ms: {ratio:.2f}x; "
-            f"first tokens agreeing {agree:.0%}"
+            f"{NAME}: {case}: attnplug {times['attnplug'] * 1e3:.1f} ms (eager {times['attnplug eager'] * 1e3:.1f} "
+            f"ms), transformers {hf_t * 1e3:.1f} ms: {hf_t / max(times['attnplug'], 1e-12):.2f}x"
         )

@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="compile the model with torch.compile for the decode graphs (attention stays attnplug's op)",
+        help="compile the model with torch.compile for the decode graphs and the prefill steps (attention stays "
+        "attnplug's op)",
     )
 
 

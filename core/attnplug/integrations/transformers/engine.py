@@ -170,7 +170,8 @@ class Engine:
     them into real device graphs, True always (the eager stand-in where the device has no
     graphs), False never. ``progress``: None shows a progress line on stderr only on a
     terminal and for runs longer than a second, True always, False never. ``compile``: as in
-    ``ModelRunner`` (the DECODE graphs replay a ``torch.compile``-d model).
+    ``ModelRunner`` (the DECODE graphs replay a ``torch.compile``-d model, and the EXTEND steps
+    run the model compiled once for every chunk length).
     ``kv_cache_dtype`` / ``kv_scales``: as in ``ModelRunner`` (None / ``"auto"``: the model's
     dtype; ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` or an FP8 dtype: an FP8 KV cache with the
     per-layer scales of ``kv_scales``, 1.0 for the layers it does not name).

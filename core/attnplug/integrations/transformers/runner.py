@@ -12,6 +12,13 @@ Uniform steps (DECODE; TARGET_VERIFY / DRAFT_EXTEND with ``num_draft_tokens``) c
 through a ``GraphRunner`` whose captured step is the whole model forward
 (``enable_graphs`` / ``forward_graph``): device graphs where the backend has them, its eager
 stand-in otherwise.
+
+With ``compile``, every step runs a ``torch.compile``-d model around the opaque attention op
+``attnplug::attention``: the captured steps a model compiled for their static shapes, the
+eager steps (EXTEND chunks, whose token counts vary) a model compiled once with a symbolic
+token count (``dynamic=True``). A new prompt length then reuses the compiled code: the
+compilations are bounded (a step of one token and a step that keeps one logit row are
+specialised, as ``torch.compile`` specialises sizes of 0 and 1), never one per length.
 """
 
 from __future__ import annotations
@@ -158,10 +165,11 @@ class ModelRunner:
     dtype, and bad ``kv_scales``. Nothing is allocated before these checks.
 
     ``compile``: False runs the model eagerly everywhere; True (inductor) or a ``torch.compile``
-    backend name compiles the model for the steps the ``GraphRunner`` captures, with each
-    layer's attention as the opaque op ``attnplug::attention`` (EXTEND and other eager steps
-    stay eager: their token counts vary). The compilation happens in the capture's warm-up,
-    never inside a capture; the graph then replays the compiled kernels.
+    backend name compiles the model, with each layer's attention as the opaque op
+    ``attnplug::attention``: for the steps the ``GraphRunner`` captures (the compilation
+    happens in the capture's warm-up, never inside a capture; the graph then replays the
+    compiled kernels) and, with a symbolic token count, for the eager steps (EXTEND chunks of
+    any length: module docstring).
 
     Attributes: ``model``, ``spec``, ``backend`` (the instance), ``pool``,
     ``req_to_token_pool``, ``allocator``, ``device``, ``dtype`` (the model's),
@@ -248,9 +256,13 @@ class ModelRunner:
         self.max_context_len = max_context_len
         self.graphs: Optional[GraphRunner] = None
         self.compile = compile
-        self._graph_model = self.model
+        self._graph_model = self._eager_model = self.model
         if compile:
-            self._graph_model = torch.compile(self.model, backend="inductor" if compile is True else compile)
+            name = "inductor" if compile is True else compile
+            self._graph_model = torch.compile(self.model, backend=name)
+            # Eager steps (EXTEND chunks of any length): compiled once for a symbolic token
+            # count, so a new prompt length reuses the compiled code (module docstring).
+            self._eager_model = torch.compile(self.model, backend=name, dynamic=True)
 
     # ------------------------------------------------------------------ eager steps
     def forward(
@@ -291,12 +303,13 @@ class ModelRunner:
         logits_indices: Optional[torch.Tensor] = None,
         model=None,
     ) -> torch.Tensor:
-        """The model (default ``self.model``) over the step's tokens, with the step bound
-        (metadata already prepared)."""
+        """The model (default: the eager steps' model, ``self.model`` compiled with a symbolic
+        token count under ``compile``) over the step's tokens, with the step bound (metadata
+        already prepared)."""
         step = BoundStep(self.backend, batch, self.spec, self.modules)
         keep = 0 if logits_indices is None else logits_indices
         with torch.no_grad(), bind_step(step):
-            out = (self.model if model is None else model)(
+            out = (self._eager_model if model is None else model)(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep
             )
         return out.logits[0].float()
