@@ -33,6 +33,7 @@ the pools (also when a step raises).
 
 from __future__ import annotations
 
+import array
 import threading
 import time
 from collections import deque
@@ -346,12 +347,15 @@ class Engine:
         if isinstance(prompt, torch.Tensor) and (prompt.dtype.is_floating_point or prompt.dtype == torch.bool):
             raise ValueError(f"prompts[{index}] must hold integer token ids, got a {prompt.dtype} tensor")
         items = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-        tokens = [_token(t, f"prompts[{index}][{i}]") for i, t in enumerate(items)]
+        if set(map(type, items)) == {int}:  # plain ints (never bools): nothing to convert, per token
+            tokens = items
+        else:
+            tokens = [_token(t, f"prompts[{index}][{i}]") for i, t in enumerate(items)]
         if not tokens:
             raise ValueError(f"prompts[{index}] is empty (a prompt needs at least one token)")
-        bad = [t for t in tokens if not 0 <= t < runner.vocab_size]
-        if bad:
-            raise ValueError(f"prompts[{index}] holds token {bad[0]}, outside the vocabulary [0, {runner.vocab_size})")
+        if min(tokens) < 0 or max(tokens) >= runner.vocab_size:
+            bad = next(t for t in tokens if not 0 <= t < runner.vocab_size)
+            raise ValueError(f"prompts[{index}] holds token {bad}, outside the vocabulary [0, {runner.vocab_size})")
         context = len(tokens) + max_new
         if context > runner.max_context_len:
             raise ValueError(
@@ -428,7 +432,10 @@ class Engine:
         """Host int lists as int64 device tensors through ONE host-to-device copy (from pinned
         memory off the host: asynchronous, never waiting for the device queue); returns one
         view per list."""
-        host = torch.tensor([v for col in columns for v in col], dtype=torch.int64)
+        flat = array.array("q")  # C int64s, extended a list at a time (no per-value Python work)
+        for col in columns:
+            flat.extend(col)
+        host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
         dev = self.runner.pool.device
         if dev.type != "cpu":
             host = host.pin_memory()
