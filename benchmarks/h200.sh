@@ -17,6 +17,8 @@
 #                                   # layout, tensor cores, graph mode searched); FP8 table last
 #   bash benchmarks/h200.sh prefill # paged causal prefill (D 128/256, 1k-16k tokens and 8 x 1k, page 1/16): the
 #                                   # cuda EXTEND path vs FlashInfer's batch prefill, TFLOP/s; table last
+#   bash benchmarks/h200.sh engine-prefill  # model_decode's prefill rows alone: the 1B-class Gemma3 through
+#                                   # Engine.generate(prompts, 1), compiled and eager, vs transformers' sdpa forward
 # BENCH_ONLY="hybrid_step model_decode" limits the bench stage to those benchmarks; HYBRID_MODES the modes of its
 # hybrid_step (default draft_extend).
 # Logs and JSON go to $OUT (or ./h200-out); a short summary prints last.
@@ -141,6 +143,15 @@ elif [ "$stage" = prefill ]; then
   python3 -m attnplug.bench.report "$out/prefill/bench.json" --only prefill
   grep -m1 "published anchors" "$out/prefill.log" | sed 's/^\[ *[0-9.]*s\] *//'
   tail -1 "$out/prefill.log"
+elif [ "$stage" = engine-prefill ]; then
+  # ~200 s of the call: the model built once, the compiled Engine's first call compiles its EXTEND steps
+  gpu_env
+  run engine_prefill 400 python3 -m attnplug.cli bench --backend cuda --only model_decode --set model_decode_series=prefill \
+    --out "$out/engine_prefill" --budget-s 380 --history "$out/history.jsonl"
+  cat "$out/env.log"
+  grep -E "model_decode: prefill|FAILED|Error" "$out/engine_prefill.log" | cut -c1-300
+  python3 -m attnplug.bench.report "$out/engine_prefill/bench.json" --only model_decode
+  tail -1 "$out/engine_prefill.log"
 elif [ "$stage" = soak ]; then
   run soak 330 python3 -m attnplug.cli soak --backend cuda --steps "${SOAK_STEPS:-20000}" --seed 0 --progress 60 --json "$out/soak.json"
   tail -30 "$out/soak.log"

@@ -17,8 +17,15 @@ from attnplug.bench import model_decode as md
 from attnplug.bench.portable import SUITE as PORTABLE
 
 
-def _ctx(quick: bool) -> Ctx:
-    return Ctx(backend_cls=ReferenceBackend, device=torch.device("cpu"), quick=quick)
+def _ctx(quick: bool, **options) -> Ctx:
+    return Ctx(backend_cls=ReferenceBackend, device=torch.device("cpu"), quick=quick, options=options)
+
+
+@pytest.fixture(autouse=True)
+def _traced_not_generated(monkeypatch):
+    """The prefill rows' compiled Engine through ``aot_eager`` on the host: the graphs inductor
+    would see, no code generated (seconds, not a minute)."""
+    monkeypatch.setattr(md, "PREFILL_COMPILE", "aot_eager")
 
 
 def test_registered_but_not_default():
@@ -111,10 +118,9 @@ def test_prefill_rows_time_both_paths_on_the_same_prompts(monkeypatch):
     with its EXTEND steps (chunks of max_prefill_tokens), transformers' sdpa forward, and the
     ratio of transformers' time to each; float32 on the host: every path gives the same first
     tokens; no target on the host. (``aot_eager`` stands in for inductor on the host: the same
-    traced graphs, no code generated.)"""
+    traced graphs, no code generated: the autouse fixture.)"""
     pytest.importorskip("transformers")
     monkeypatch.setattr(md, "_QUICK", {**md._QUICK, "batch_sizes": (), "prefill_shapes": ((1, 600), (3, 20))})
-    monkeypatch.setattr(md, "PREFILL_COMPILE", "aot_eager")
     rows = md.run(_ctx(quick=True))
     prefill = [r for r in rows if r.get("series") == "prefill"]
     assert sorted({r["case"] for r in prefill}) == ["prefill 1x600", "prefill 3x20"]
@@ -145,3 +151,27 @@ def test_prefill_rows_skip_when_time_runs_low(monkeypatch):
         ("prefill 1x8", None, "skipped: time budget"),
         ("prefill 2x8", None, "skipped: time budget"),
     ]
+
+
+def test_series_option_runs_the_rows_it_names(monkeypatch):
+    """``--set model_decode_series=prefill`` runs the prefill rows alone (``decode`` the decode
+    rows alone); anything but a non-empty subset of the two is refused naming them."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(md, "_QUICK", {**md._QUICK, "batch_sizes": (2,), "prefill_shapes": ((1, 8),)})
+    ran = []
+
+    def decode_rows(*args):
+        ran.append("decode")
+        raise StopIteration  # the decode rows began: enough
+
+    monkeypatch.setattr(md, "_prefill_rows", lambda ctx, *args: ran.append("prefill"))
+    monkeypatch.setattr(md, "_theirs", decode_rows)
+    assert md.run(_ctx(quick=True, model_decode_series="prefill")) == [] and ran == ["prefill"]
+    ran.clear()
+    with pytest.raises(StopIteration):
+        md.run(_ctx(quick=True, model_decode_series="decode"))
+    assert ran == ["decode"]
+    assert md.series("decode, prefill") == ("prefill", "decode") and md.series("DECODE") == ("decode",)
+    for bad in ("", "prefil", "prefill,tokens", ","):
+        with pytest.raises(ValueError, match="model_decode_series"):
+            md.series(bad)

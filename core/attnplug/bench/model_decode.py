@@ -59,6 +59,9 @@ Prefill, before the decode rows, per shape ``bs x prompt_len`` of ``PREFILL_SHAP
   whose first token both agree on. Any compilation happens in the compiled Engine's warm-up
   (untimed).
 
+The suite option ``model_decode_series`` (``--set model_decode_series=prefill``) names the
+series run: ``prefill``, ``decode`` or both (the default).
+
 Skipped (a row with the reason, no error) when transformers or the integration cannot be
 imported, and for the 1B config on the host (``--quick`` runs the tiny one there).
 """
@@ -87,6 +90,8 @@ __all__ = [
     "BATCH_SIZES",
     "PREFILL_SHAPES",
     "run",
+    "series",
+    "OPTIONS",
 ]
 
 NAME = "model_decode"
@@ -136,6 +141,21 @@ PREFILL_SHAPES = ((1, 2048), (8, 1024), (32, 512))
 PREFILL_COMPILE = True
 REPEATS = 3
 _QUICK = dict(prompt_len=24, new_tokens=8, batch_sizes=(1, 4), repeats=1, prefill_shapes=((1, 40), (2, 24)))
+
+
+#: the suite options this benchmark reads, with their defaults (every suite listing it takes them)
+OPTIONS = {"model_decode_series": "prefill,decode"}
+
+
+def series(option: str) -> tuple:
+    """The row series of the suite option ``model_decode_series`` (``"prefill,decode"``): a
+    non-empty subset of ``prefill`` and ``decode``, in that order; ``ValueError`` naming the
+    choices for anything else."""
+    choices = ("prefill", "decode")
+    names = [n.strip().lower() for n in str(option).split(",") if n.strip()]
+    if not names or any(n not in choices for n in names):
+        raise ValueError(f"model_decode_series={option!r}: name one or both of {list(choices)}, comma-separated")
+    return tuple(c for c in choices if c in names)
 
 
 def _skip(ctx: Ctx, why: str) -> List[dict]:
@@ -291,7 +311,11 @@ def run(ctx: Ctx) -> List[dict]:
     gen = torch.Generator().manual_seed(0)
     config_name = "tiny Gemma3 text" if ctx.quick else "Gemma3 text 1B-class"
     backend_name = getattr(ctx.backend_cls, "name", "?")
-    _prefill_rows(ctx, hf_model, ours_model, config_kwargs, dtype, gen)
+    parts = series(ctx.options.get("model_decode_series", OPTIONS["model_decode_series"]))
+    if "prefill" in parts:
+        _prefill_rows(ctx, hf_model, ours_model, config_kwargs, dtype, gen)
+    if "decode" not in parts:
+        return ctx.rows
     fp8 = _serves_fp8(ctx.backend_cls)
     if not fp8:
         ctx.log(f"{NAME}: backend {backend_name} declares no FP8 KV cache (float8_e4m3fn): no FP8 rows")

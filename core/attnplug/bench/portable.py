@@ -17,7 +17,8 @@ accelerator. ``kv_cache_dtype`` (the engines' names: ``auto``, ``fp8``, ``fp8_e4
 ``hybrid_step`` also runs variant ``graph-<name>`` (the backend through ``GraphRunner`` over
 an FP8 cache holding the same keys, quantised with ``world.bench_kv_scales``), its speedup
 ``graph / graph-<name>`` and its DECODE attention against float32 attention over the
-dequantised cache.
+dequantised cache. ``model_decode_series``: the row series ``model_decode`` runs
+(``prefill``, ``decode``; default both).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..batch import ForwardMode
 from ..memory.fp8 import is_fp8, resolve_kv_cache_dtype
 from .context import Ctx
 from .model_decode import BENCHMARK as MODEL_DECODE
+from .model_decode import OPTIONS as MODEL_DECODE_OPTIONS
 from .step_case import StepRatio, StepShape, StepVariant, run_step_benchmark
 from .suite import Benchmark, Suite
 from .validation import BENCHMARK as BATCH_VALIDATION
@@ -111,6 +113,6 @@ SUITE = Suite(
         MODEL_DECODE,
         BATCH_VALIDATION,
     ],
-    options={"dtype": "auto", "kv_cache_dtype": "auto"},
+    options={"dtype": "auto", "kv_cache_dtype": "auto", **MODEL_DECODE_OPTIONS},
     isolate=False,
 )

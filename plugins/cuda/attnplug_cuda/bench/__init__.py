@@ -33,7 +33,8 @@ Options (``--set NAME=VALUE``): ``skip_cpp`` (do not build the CUDA C++ KV store
 ``flex_budget_s`` (seconds for compiling + timing flex_attention; 0 skips it),
 ``hybrid_modes`` (the step modes ``hybrid_step`` runs, comma-separated: ``decode``,
 ``draft_extend``; default both), ``hybrid_sizes`` (its batch sizes, comma-separated; default
-``1,8,32,64,128``).
+``1,8,32,64,128``), ``model_decode_series`` (the row series ``model_decode`` runs: ``prefill``,
+``decode``; default both).
 Each benchmark runs in its own child process by default; the run's default budget is 560 s.
 It needs a CUDA device (``NeedsCudaDevice`` otherwise). Nothing here imports Triton, the
 kernels or CUDA at import time.
@@ -45,6 +46,7 @@ from typing import Any, Dict, Iterable, Optional
 
 from attnplug.bench import Benchmark, Suite, SuiteUnavailable
 from attnplug.bench.model_decode import BENCHMARK as MODEL_DECODE
+from attnplug.bench.model_decode import OPTIONS as MODEL_DECODE_OPTIONS
 from attnplug.bench.validation import BENCHMARK as BATCH_VALIDATION
 
 __all__ = ["SUITE", "NeedsCudaDevice", "run_benchmarks", "DEFAULT_BUDGET_S"]
@@ -151,6 +153,7 @@ SUITE = Suite(
         "flex_budget_s": 150.0,
         "hybrid_modes": "decode,draft_extend",
         "hybrid_sizes": "1,8,32,64,128",
+        **MODEL_DECODE_OPTIONS,
     },
     isolate=True,
     budget_s=DEFAULT_BUDGET_S,
