@@ -48,13 +48,19 @@ def _cuda_on_host():
 
 
 @pytest.mark.slow
-def test_cuda_kernels_give_the_reference_tokens():
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_cuda_kernels_give_the_reference_tokens(compile):
+    """Also with the cuda Engine's steps compiled (its EXTEND chunks of 8, 6 and 5 tokens
+    through the model traced once with a symbolic token count, each layer's attention the
+    ``attnplug::attention`` op)."""
     cls, device = _cuda_on_host()
     prompts = random_prompts([6, 13])
     runs = []
-    for backend in ("reference", cls):
+    for backend, compiled in (("reference", False), (cls, compile)):
         model = tiny_model("gemma3_text", head_dim=64, dtype=torch.float16, device=device)
-        engine = Engine(model, backend, max_batch_size=2, max_context_len=24, page_size=2, max_prefill_tokens=8)
+        engine = Engine(
+            model, backend, max_batch_size=2, max_context_len=24, page_size=2, max_prefill_tokens=8, compile=compiled
+        )
         runs.append(engine.generate(prompts, 5))
     assert runs[0] == runs[1]
 
