@@ -247,18 +247,9 @@ def _ours(ctx: Ctx, model, prompts: List[List[int]], prompt_len: int, n_new: int
     DECODE steps replay graphs, the model is compiled around the attention op
     (``Engine(compile=True)``); when compiling fails, the same run uncompiled, the note saying
     why."""
-    from attnplug.integrations.transformers import Engine
 
     def engine_for(compile_model: bool):
-        return Engine(
-            model,
-            ctx.backend_cls,
-            max_batch_size=len(prompts),
-            max_context_len=-(-(prompt_len + n_new + 16) // 64) * 64,
-            progress=False,
-            compile=compile_model,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        return _engine(ctx, model, len(prompts), prompt_len + n_new + 16, compile_model, kv_cache_dtype)
 
     note = ""
     try:
@@ -447,18 +438,19 @@ def _fp8_rows(ctx: Ctx, case: str, common: dict, model, prompts, prompt_len: int
     )
 
 
-def _prefill_engine(ctx: Ctx, model, bs: int, prompt_len: int, compile_model):
-    """The prefill rows' Engine for ``bs`` prompts of ``prompt_len`` tokens (``compile_model``:
-    its ``compile``)."""
+def _engine(ctx: Ctx, model, bs: int, context: int, compile_model, kv_cache_dtype=None):
+    """An Engine of the benchmark's backend for ``bs`` requests of up to ``context`` positions
+    (rounded up to 64), with ``compile_model`` as its ``compile``, no progress line."""
     from attnplug.integrations.transformers import Engine
 
     return Engine(
         model,
         ctx.backend_cls,
         max_batch_size=bs,
-        max_context_len=-(-(prompt_len + 1) // 64) * 64,
+        max_context_len=-(-context // 64) * 64,
         progress=False,
         compile=compile_model,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -487,13 +479,13 @@ def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, ge
         ctx.log(f"{NAME}: {case}: attnplug Engine on {backend_name} (compiled, eager), transformers sdpa forward")
         hf_tokens = theirs().tolist()  # the warm-up
         # the compiled Engine's warm-up compiles its EXTEND steps (once for every length)
-        note, engine = "", _prefill_engine(ctx, ours_model, bs, prompt_len, PREFILL_COMPILE)
+        note, engine = "", _engine(ctx, ours_model, bs, prompt_len + 1, PREFILL_COMPILE)
         try:
             compiled_tokens = engine.generate(host_prompts, 1)
         except Exception as exc:  # compiling failed: the row times the eager Engine, saying why
             note = f"torch.compile failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
             engine = None
-        eager = _prefill_engine(ctx, ours_model, bs, prompt_len, False)
+        eager = _engine(ctx, ours_model, bs, prompt_len + 1, False)
         eager_tokens = eager.generate(host_prompts, 1)
         if engine is None:
             engine, compiled_tokens = eager, eager_tokens
