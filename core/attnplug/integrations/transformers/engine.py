@@ -432,10 +432,10 @@ class Engine:
         """Host int lists as int64 device tensors through ONE host-to-device copy (from pinned
         memory off the host: asynchronous, never waiting for the device queue); returns one
         view per list."""
-        flat = array.array("q")  # C int64s, extended a list at a time (no per-value Python work)
+        values = array.array("q")  # C int64s, extended a list at a time (no per-value Python work)
         for col in columns:
-            flat.extend(col)
-        host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
+            values.extend(col)
+        host = torch.frombuffer(values, dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
         dev = self.runner.pool.device
         if dev.type != "cpu":
             host = host.pin_memory()
