@@ -50,7 +50,7 @@ def _cuda_on_host():
 @pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, "aot_eager"])
 def test_cuda_kernels_give_the_reference_tokens(compile):
-    """Also with the cuda Engine's steps compiled (its EXTEND chunks of 8, 6 and 5 tokens
+    """Also with the cuda Engine's steps compiled (its EXTEND chunks of 8, 8 and 3 tokens
     through the model traced once with a symbolic token count, each layer's attention the
     ``attnplug::attention`` op)."""
     cls, device = _cuda_on_host()
