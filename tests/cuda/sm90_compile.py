@@ -9,10 +9,10 @@ soft-capping and sinks, SWA and full layers; the paths a tuning selects; over bf
 KV caches), records each
 ``kernel[grid](...)`` launch instead of running it, and compiles every distinct (kernel,
 argument types, constexprs, options) for ``GPUTarget("cuda", 90, 32)`` down to a cubin with
-the ptxas Triton ships (a decode or draft launch whose registers spill fails too; the large
-prefill tiles' spills are printed, not failed), specialised as the GPU's launch would be
-(``offline_compile``: pointer alignment and divisibility by 16 read off the recorded
-arguments).
+the ptxas Triton ships (a decode or draft launch whose registers spill fails too, but for a
+few bytes under a register cap; the large prefill tiles' spills are printed, not failed),
+specialised as the GPU's launch would be (``offline_compile``: pointer alignment and
+divisibility by 16 read off the recorded arguments).
 
 Run with ``TRITON_INTERPRET`` unset (the kernels must be real ``JITFunction``s):
 ``python tests/cuda/sm90_compile.py``; prints one line per compiled launch, exit code 1 when
@@ -31,6 +31,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 from offline_compile import compile_launch, record_launches, resources, signature_key  # noqa: E402
+
+#: bytes a thread of a decode tile compiled under a register cap (``PagedPlan.max_registers``)
+#: may spill: the FP8 tiles with a soft cap and sinks spill 8 (Triton 3.6) to 56 (Triton 3.9)
+CAPPED_SPILL_BYTES = 64
 
 
 def drive() -> None:
@@ -103,7 +107,11 @@ def main() -> int:
         spills += spilled
         plan = launch.kwargs.get("PLAN")
         if spilled and not (plan is not None and getattr(plan, "BLOCK_M", 0) > 16):
-            failures.append(label)  # (the prefill tiles' spills are known: the prefill issue)
+            # (the prefill tiles' spills are known: the prefill issue; a tile under a register
+            # cap trades a few spilled bytes for programs an SM, at most CAPPED_SPILL_BYTES)
+            capped = getattr(plan, "max_registers", None) is not None
+            if not capped or r["spill_bytes"] > CAPPED_SPILL_BYTES:
+                failures.append(label)
         print(
             f"{'spills' if spilled else 'ok':6} {label} registers={r['registers']} spill={r['spill_bytes']}", flush=True
         )

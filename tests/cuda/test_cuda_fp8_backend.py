@@ -237,6 +237,7 @@ def test_rocm_serves_e5m2_only_and_says_why(monkeypatch):
         World(dataclasses.replace(SPEC, kv_cache_dtype=torch.float8_e4m3fn), CudaBackend, DEVICE)
     ops = CudaBackend.paged_ops(torch.device(DEVICE))
     assert ops.fp8_kv_dtypes == (torch.float8_e5m2,)
+    assert CudaBackend.device_part.default_tuning().fp8_decode_registers is None  # an NVIDIA option
     cache = torch.zeros(4, 2, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
     k = torch.zeros(1, 2, 16, dtype=torch.float16, device=DEVICE)
     one = torch.ones(1, device=DEVICE)
@@ -289,17 +290,74 @@ def test_fp8_steps_keep_their_paths_and_schedules(bs, q_len):
     assert plan_step(fp8, 1, 1, 1, CudaTuning(), True).full.first == EARLY
 
 
-def test_fp8_decode_tiles_take_the_16_bit_tiles_bytes():
-    """``paged_attention``'s decode tiles over an FP8 cache hold twice the keys a block up to
-    head dim 128 (the same bytes as the 16-bit tiles'); its flash-attention tiles are the
-    16-bit ones."""
+def test_fp8_decode_tiles_cap_their_registers_at_head_dim_128():
+    """``paged_attention``'s decode tiles over an FP8 cache: at head dim 128 the 16-bit tiles'
+    64 keys under ``fp8_decode_registers``; below 128 (or uncapped) twice the keys a block (the
+    16-bit tiles' bytes), uncapped; at 256 the 16-bit tiles. Its flash-attention tiles and
+    every 16-bit tile are the same plans, uncapped."""
     t = CudaTuning()
+    uncapped = dataclasses.replace(t, fp8_decode_registers=None)
     for d in (64, 128, 256):
         decode = LaunchShape(64, 64, 8, 4, d, 1, 1024, None, 132)
-        factor = 2 if d <= 128 else 1
-        assert plan_paged(decode._replace(kv_fp8=True), t).BLOCK_N == factor * plan_paged(decode, t).BLOCK_N
+        fp8, bf16 = plan_paged(decode._replace(kv_fp8=True), t), plan_paged(decode, t)
+        assert bf16.max_registers is None
+        if d == 128:
+            assert (fp8.BLOCK_N, fp8.max_registers) == (bf16.BLOCK_N, t.fp8_decode_registers)
+        else:
+            assert (fp8.BLOCK_N, fp8.max_registers) == ((2 if d < 128 else 1) * bf16.BLOCK_N, None)
+        wide = plan_paged(decode._replace(kv_fp8=True), uncapped)
+        assert (wide.BLOCK_N, wide.max_registers) == ((2 if d <= 128 else 1) * bf16.BLOCK_N, None)
         extend = LaunchShape(1, 2048, 8, 4, d, 2048, 2048, None, 132)
         assert plan_paged(extend._replace(kv_fp8=True), t) == plan_paged(extend, t)
+        assert plan_paged(extend, t).max_registers is None
+
+
+def test_fp8_register_cap_reaches_the_launch_and_is_an_nvidia_option():
+    """The planned cap is the launch's ``maxnreg`` (and no 16-bit launch has one); the NVIDIA
+    default has it, XPU's none (ROCm's: ``test_rocm_serves_e5m2_only_and_says_why``); a cap
+    out of [24, 255] is refused, naming the field."""
+    from attnplug_cuda.kernels import paged_attention as pa
+    from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, KVScales
+    from attnplug_xpu.device import xpu_tuning
+
+    seen = []
+    real = pa._paged_attention_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs.get("maxnreg"))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    t = CudaTuning()
+    bs, hkv, d = 2, 2, 128
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        fp8 = kv_dtype != torch.bfloat16
+        q = torch.randn(bs, 2 * hkv, d, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(17, hkv, d, device=DEVICE).to(kv_dtype)
+        table = torch.arange(1, 17, device=DEVICE, dtype=torch.int32).view(bs, 8)
+        scales = KVScales.of(torch.ones(hkv, device=DEVICE), torch.ones(hkv, device=DEVICE)) if fp8 else None
+        inputs = AttentionInputs(
+            torch.arange(bs + 1, device=DEVICE, dtype=torch.int32),
+            torch.full((bs,), 8, device=DEVICE, dtype=torch.int32),
+            KeyTable.of(table, torch.arange(bs, device=DEVICE, dtype=torch.int32)),
+            1,
+            kv_scales=scales,
+        )
+        plan = plan_paged(LaunchShape(bs, bs, hkv, 2, d, 1, 8, None, 132, fp8), t)
+        pa._paged_attention_kernel = Recorder()
+        try:
+            pa.paged_attention(q, k, k, torch.empty_like(q), inputs, plan)
+        finally:
+            pa._paged_attention_kernel = real
+    assert seen == [None, t.fp8_decode_registers]
+    assert CudaBackend.device_part.default_tuning().fp8_decode_registers == 128
+    assert xpu_tuning().fp8_decode_registers is None
+    for bad in (0, 16, 256, 1.5, True):
+        with pytest.raises(ValueError, match="fp8_decode_registers"):
+            CudaTuning(fp8_decode_registers=bad)
 
 
 def test_fp8_split_keys_count_twice():

@@ -24,7 +24,8 @@ Triton one: the C++ store does not quantise, ``TritonBackend`` picks the Triton 
 FP8 pool) and the same tiles, but for three rules: where a split's key count stands for the
 bytes it streams (``*_split_keys``) its keys count ``CudaTuning.fp8_split_keys_factor`` times
 as many (a key of an FP8 cache is half the bytes of a 16-bit one); ``paged_attention``'s decode
-tiles take twice the keys a block up to head dim 128 (the 16-bit tiles' bytes); and ``store_attend``'s key
+tiles compile with a register cap at head dim 128 (``CudaTuning.fp8_decode_registers``) and take
+twice the keys a block below it or uncapped (the 16-bit tiles' bytes); and ``store_attend``'s key
 blocks hold at most ``CudaTuning.fp8_block_elems`` elements a 4-warp program (an FP8 tile is
 converted in registers: ``plan_one_launch``).
 """
@@ -89,7 +90,8 @@ class PagedPlan(NamedTuple):
     tile, ``NUM_SPLITS`` KV splits (flash-decoding, merged by the combine kernel), ``PHASES``
     (the blocks every row sees whole in an unmasked loop of their own), ``PREFETCH`` (key
     blocks whose cached K/V lines go to L2 before a PDL prologue's wait), the launch's
-    ``num_warps`` / ``num_stages``."""
+    ``num_warps`` / ``num_stages`` and ``max_registers`` (a thread's register cap, Triton's
+    ``maxnreg``; None: the compiler's choice)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -98,6 +100,7 @@ class PagedPlan(NamedTuple):
     PREFETCH: int
     num_warps: int
     num_stages: int
+    max_registers: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -344,12 +347,19 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     block_d = _pow2(head_dim)
     rows = max(1, max_q_len) * group
     block_m = min(max(16, _pow2(rows)), 128)
+    max_registers = None
     if block_m <= 16:  # decode / short verify: streaming K and V is the whole cost
         block_n = 64 if block_d <= 128 else 32
         if shape.kv_fp8 and block_d <= 128:
-            # a key block of the 16-bit tiles' bytes, half the loop's trips, at the same
-            # programs an SM (at head dim 256 the larger block would cost one of them)
-            block_n *= 2
+            # FP8 blocks are converted in registers. At head dim 128 under the register cap
+            # (``fp8_decode_registers``) four programs of 64-key tiles share an SM without
+            # spills, where uncapped tiles of 128 keys (the 16-bit tiles' bytes) fit two.
+            # Otherwise (uncapped, or narrower heads, whose 128-key tiles fit three) 128 keys
+            # a block, the faster uncapped.
+            if block_d == 128 and t.fp8_decode_registers is not None:
+                max_registers = t.fp8_decode_registers
+            else:
+                block_n *= 2
         num_warps, num_stages = 4, 2
     else:  # flash-attention tiles: 128 rows of 128 keys (64 at head dim 256), half the keys below 128 rows
         block_n = (128 if block_d <= 128 else 64) // (1 if block_m == 128 else 2)
@@ -378,6 +388,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         PREFETCH=1 if block_m <= 16 else 0,
         num_warps=num_warps,
         num_stages=num_stages,
+        max_registers=max_registers,
     )
 
 

@@ -27,6 +27,7 @@ This module imports neither Triton nor a device runtime.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -70,7 +71,10 @@ class TritonDevicePart(DevicePart):
         return "triton", "the Triton KV store"
 
     def default_tuning(self) -> CudaTuning:
-        return CudaTuning.from_env()
+        tuning = CudaTuning.from_env()
+        if getattr(torch.version, "hip", None):  # a register cap is an NVIDIA compile option
+            tuning = dataclasses.replace(tuning, fp8_decode_registers=None)
+        return tuning
 
     def fp8_kv_problem(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> Optional[str]:
         """Why the kernels cannot serve an FP8 KV cache of ``dtype`` on ``device`` (None: they

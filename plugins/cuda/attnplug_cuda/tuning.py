@@ -19,6 +19,7 @@ The paths a decode or draft step's layers can take (``planner.plan_step``):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 from . import env
 
@@ -86,6 +87,12 @@ class CudaTuning:
     #: compiled for sm_90 (Triton 3.9) the 16-bit plans' 128 x 128 (4 warps) and 256 x 128
     #: (8 warps) blocks spill there, 64 x 128 and 128 x 128 do not (a power of two)
     fp8_block_elems: int = 8192
+    #: registers a thread of ``paged_attention``'s FP8 decode tiles at head dim 128 may hold
+    #: (Triton's ``maxnreg``), or None: the compiler's choice (and 128-key blocks). The tiles
+    #: convert their K/V blocks in registers: uncapped, compiled for sm_90 they take 190-210
+    #: registers (2 programs an SM); at 128 they hold 64-key blocks without spills (4
+    #: programs an SM). An NVIDIA compile option: other devices' defaults have None
+    fp8_decode_registers: Optional[int] = 128
 
     # the device's tiles (``TritonDevicePart.default_tuning``: other devices other defaults)
     #: the widest key block of any plan (a power of two >= 16)
@@ -105,6 +112,9 @@ class CudaTuning:
             elif f.type in ("int", int):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
+        regs = self.fp8_decode_registers
+        if regs is not None and (isinstance(regs, bool) or not isinstance(regs, int) or not 24 <= regs <= 255):
+            raise ValueError(f"fp8_decode_registers must be None or an int in [24, 255], got {regs!r}")
         if self.max_block_n < 16:
             raise ValueError(f"max_block_n must be >= 16, got {self.max_block_n}")
         for name in (

@@ -466,6 +466,7 @@ def paged_attention(
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
+        **({} if plan.max_registers is None else {"maxnreg": plan.max_registers}),
     )
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
