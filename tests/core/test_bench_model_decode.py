@@ -133,7 +133,8 @@ def test_prefill_rows_time_both_paths_on_the_same_prompts(monkeypatch):
         assert times["attnplug"]["path"] == "compiled model" and times["attnplug eager"]["path"] == "eager model"
         for variant in ("attnplug", "attnplug eager"):
             assert times[variant]["extend_steps"] == steps  # the Engine's default chunks
-            assert f"{steps} EXTEND steps of the {times[variant]['path']}" in times[variant]["detail"]
+            noun = "step" if steps == 1 else "steps"
+            assert f"{steps} EXTEND {noun} of the {times[variant]['path']}" in times[variant]["detail"]
             (ratio,) = [r for r in prefill if r["case"] == case and r["metric"] == f"transformers / {variant} time"]
             assert ratio["bs"] == bs and ratio["prompt_len"] == int(case.split("x")[1])
             assert ratio["value"] == pytest.approx(times["transformers"]["value"] / times[variant]["value"])

@@ -233,6 +233,10 @@ class _Transformers:
         return tokens
 
 
+def _steps(n: int) -> str:
+    return "step" if n == 1 else "steps"
+
+
 def _agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
     same = total = 0
     for x, y in zip(a, b):
@@ -518,7 +522,7 @@ def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, ge
                     "prefill s",
                     t,
                     "s",
-                    detail=f"Engine.generate(prompts, 1) on {backend_name}, {steps} EXTEND steps of the {path}",
+                    detail=f"Engine.generate(prompts, 1) on {backend_name}, {steps} EXTEND {_steps(steps)} of the {path}",
                     notes=note if variant == "attnplug" else "",
                     key=variant == "attnplug",
                     variant=variant,
