@@ -234,7 +234,8 @@ class _Transformers:
 
 
 def _steps(n: int) -> str:
-    return "step" if n == 1 else "steps"
+    """``1 EXTEND step``, ``2 EXTEND steps``."""
+    return f"{n} EXTEND step" + ("" if n == 1 else "s")
 
 
 def _agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
@@ -522,7 +523,7 @@ def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, ge
                     "prefill s",
                     t,
                     "s",
-                    detail=f"Engine.generate(prompts, 1) on {backend_name}, {steps} EXTEND {_steps(steps)} of the {path}",
+                    detail=f"Engine.generate(prompts, 1) on {backend_name}, {_steps(steps)} of the {path}",
                     notes=note if variant == "attnplug" else "",
                     key=variant == "attnplug",
                     variant=variant,
