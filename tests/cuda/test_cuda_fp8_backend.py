@@ -312,12 +312,14 @@ def test_fp8_decode_tiles_cap_their_registers_at_head_dim_128():
         assert plan_paged(extend, t).max_registers is None
 
 
-def test_fp8_register_cap_reaches_the_launch_and_is_an_nvidia_option():
+def test_fp8_register_cap_reaches_the_launch_and_is_an_nvidia_option(monkeypatch):
     """The planned cap is the launch's ``maxnreg`` (and no 16-bit launch has one); the NVIDIA
     default has it, XPU's none (ROCm's: ``test_rocm_serves_e5m2_only_and_says_why``); a cap
     out of [24, 255] is refused, naming the field."""
+    from paged_cases import attend
+
     from attnplug_cuda.kernels import paged_attention as pa
-    from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, KVScales
+    from attnplug_cuda.kernels.common import KVScales
     from attnplug_xpu.device import xpu_tuning
 
     seen = []
@@ -331,27 +333,18 @@ def test_fp8_register_cap_reaches_the_launch_and_is_an_nvidia_option():
 
             return launch
 
-    t = CudaTuning()
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
     bs, hkv, d = 2, 2, 128
+    ints = dict(device=DEVICE, dtype=torch.int32)
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         fp8 = kv_dtype != torch.bfloat16
         q = torch.randn(bs, 2 * hkv, d, device=DEVICE, dtype=torch.bfloat16)
         k = torch.randn(17, hkv, d, device=DEVICE).to(kv_dtype)
-        table = torch.arange(1, 17, device=DEVICE, dtype=torch.int32).view(bs, 8)
         scales = KVScales.of(torch.ones(hkv, device=DEVICE), torch.ones(hkv, device=DEVICE)) if fp8 else None
-        inputs = AttentionInputs(
-            torch.arange(bs + 1, device=DEVICE, dtype=torch.int32),
-            torch.full((bs,), 8, device=DEVICE, dtype=torch.int32),
-            KeyTable.of(table, torch.arange(bs, device=DEVICE, dtype=torch.int32)),
-            1,
-            kv_scales=scales,
-        )
-        plan = plan_paged(LaunchShape(bs, bs, hkv, 2, d, 1, 8, None, 132, fp8), t)
-        pa._paged_attention_kernel = Recorder()
-        try:
-            pa.paged_attention(q, k, k, torch.empty_like(q), inputs, plan)
-        finally:
-            pa._paged_attention_kernel = real
+        attend(q, k, k, torch.empty_like(q), cu_q_lens=torch.arange(bs + 1, **ints),
+               seq_lens=torch.full((bs,), 8, **ints), table=torch.arange(1, 17, **ints).view(bs, 8),
+               rows=torch.arange(bs, **ints), max_q_len=1, max_kv_len=8, kv_scales=scales)  # fmt: skip
+    t = CudaTuning()
     assert seen == [None, t.fp8_decode_registers]
     assert CudaBackend.device_part.default_tuning().fp8_decode_registers == 128
     assert xpu_tuning().fp8_decode_registers is None
