@@ -370,14 +370,19 @@ def test_fp8_split_keys_count_twice():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("bs,max_kv_len,window", [(1, 300, 256), (1, 900, None), (24, 4096, None), (200, 4096, None)])
 def test_fp8_store_attend_blocks_fit_the_registers(head_dim, bs, max_kv_len, window):
-    """``store_attend``'s FP8 key blocks hold at most ``fp8_block_elems`` elements a 4-warp
-    program and twice that an 8-warp one (what compiles for sm_90 without spilling)."""
+    """``store_attend``'s FP8 key blocks of a draft step hold at most ``fp8_block_elems``
+    elements a 4-warp program and twice that an 8-warp one (what compiles for sm_90 without
+    spilling); a decode step's keep the 16-bit plan whole (its trips are the step's chain)."""
     t = CudaTuning()
-    shape = LaunchShape(bs, bs, 1, 4, head_dim, 1, max_kv_len, window, 132)
-    plan16, plan8 = plan_one_launch(shape, t), plan_one_launch(shape._replace(kv_fp8=True), t)
+    draft = LaunchShape(bs, 4 * bs, 1, 4, head_dim, 4, max_kv_len, window, 132)
+    plan16, plan8 = plan_one_launch(draft, t), plan_one_launch(draft._replace(kv_fp8=True), t)
     per_warp = plan8.BLOCK_N * head_dim // plan8.num_warps
     assert per_warp <= t.fp8_block_elems // 4 or plan8.BLOCK_N == 16
     assert plan8.ROWS == plan16.ROWS and plan8.OWN_BLOCK == plan16.OWN_BLOCK
+    decode = draft._replace(num_tokens=bs, max_q_len=1)
+    # with FP8 keys counted as 16-bit ones in the split bounds, the very plan of a 16-bit cache
+    one = dataclasses.replace(t, fp8_split_keys_factor=1)
+    assert plan_one_launch(decode._replace(kv_fp8=True), one) == plan_one_launch(decode, one)
 
 
 def test_tuning_checks_its_fp8_fields():

@@ -1,6 +1,6 @@
 """Every Triton launch of the cuda backend compiles for sm_90 on this machine (no GPU needed),
-with no register spills in the decode and draft tiles (but a few bytes under a register cap:
-``sm90_compile.CAPPED_SPILL_BYTES``).
+with no register spills in the decode and draft tiles (but a few bytes in the decode tiles over
+an FP8 cache: ``sm90_compile.FP8_DECODE_SPILL_BYTES``).
 
 The interpreted kernel tests run the kernels' semantics, not Triton's compiler; this runs
 ``tests/cuda/sm90_compile.py`` (the launches of a small serving loop, compiled to cubins for

@@ -26,8 +26,9 @@ bytes it streams (``*_split_keys``) its keys count ``CudaTuning.fp8_split_keys_f
 as many (a key of an FP8 cache is half the bytes of a 16-bit one); ``paged_attention``'s decode
 tiles compile with a register cap at head dim 128 (``CudaTuning.fp8_decode_registers``) and take
 twice the keys a block below it or uncapped (the 16-bit tiles' bytes); and ``store_attend``'s key
-blocks hold at most ``CudaTuning.fp8_block_elems`` elements a 4-warp program (an FP8 tile is
-converted in registers: ``plan_one_launch``).
+blocks of steps of several tokens hold at most ``CudaTuning.fp8_block_elems`` elements a 4-warp
+program (an FP8 tile is converted in registers; decode tiles keep the 16-bit blocks:
+``plan_one_launch``).
 """
 
 from __future__ import annotations
@@ -295,12 +296,14 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     crowded = groups > num_sms
     wide = 256 if not (crowded or paired) and (unsplit or 512 <= share <= 1024) else 128
     block_n = max(16, min(block_n, wide if block_d <= 128 else 64, t.max_block_n))
-    if shape.kv_fp8:
+    if shape.kv_fp8 and not decode:
         # An FP8 block is converted to q's dtype in registers, beside its bytes, where a 16-bit
         # block reaches the products through shared memory: compiled for sm_90, the 16-bit
-        # limits (128 x 128 elements a 4-warp program, 256 x 128 an 8-warp one) spill FP8
-        # blocks. Half of them: fp8_block_elems a 4-warp program, twice that for a program
-        # alone on its SM (8 warps once the block is 128 x 128).
+        # limits (128 x 128 elements a 4-warp program, 256 x 128 an 8-warp one) spill the FP8
+        # blocks of draft steps. Half of them: fp8_block_elems a 4-warp program, twice that for
+        # a program alone on its SM (8 warps once the block is 128 x 128). Decode tiles (a
+        # group's few rows) keep the 16-bit blocks: a step is a chain of dependent key blocks,
+        # and halving the blocks doubled its trips (docs/benchmarks.md: bs 8 1.30x faster).
         alone = not (crowded or paired)
         block_n = max(16, min(block_n, t.fp8_block_elems * (2 if alone else 1) // block_d))
     # Software pipelining only where a split's share holds more than eight key blocks (four

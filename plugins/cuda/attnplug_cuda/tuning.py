@@ -83,9 +83,10 @@ class CudaTuning:
     #: (more, shorter splits), the alternative to measure.
     fp8_split_keys_factor: int = 2
     #: most elements (keys x head dim) of an FP8 cache's key block in a 4-warp ``store_attend``
-    #: program (twice that alone on an SM, 8 warps): its tiles are converted in registers, and
-    #: compiled for sm_90 (Triton 3.9) the 16-bit plans' 128 x 128 (4 warps) and 256 x 128
-    #: (8 warps) blocks spill there, 64 x 128 and 128 x 128 do not (a power of two)
+    #: program of a draft step (twice that alone on an SM, 8 warps; decode steps keep the
+    #: 16-bit blocks): its tiles are converted in registers, and compiled for sm_90 (Triton
+    #: 3.9) the 16-bit plans' 128 x 128 (4 warps) and 256 x 128 (8 warps) blocks spill there,
+    #: 64 x 128 and 128 x 128 do not (a power of two)
     fp8_block_elems: int = 8192
     #: registers a thread of ``paged_attention``'s FP8 decode tiles at head dim 128 may hold
     #: (Triton's ``maxnreg``), or None: the compiler's choice (and 128-key blocks). The tiles
