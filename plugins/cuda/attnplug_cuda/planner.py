@@ -303,7 +303,7 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
         # blocks of draft steps. Half of them: fp8_block_elems a 4-warp program, twice that for
         # a program alone on its SM (8 warps once the block is 128 x 128). Decode tiles (a
         # group's few rows) keep the 16-bit blocks: a step is a chain of dependent key blocks,
-        # and halving the blocks doubled its trips (docs/benchmarks.md: bs 8 1.30x faster).
+        # and halving the blocks doubled its trips (docs/benchmarks.md, "The FP8 decode tiles").
         alone = not (crowded or paired)
         block_n = max(16, min(block_n, t.fp8_block_elems * (2 if alone else 1) // block_d))
     # Software pipelining only where a split's share holds more than eight key blocks (four
