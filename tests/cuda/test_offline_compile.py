@@ -1,6 +1,6 @@
 """``offline_compile`` on a machine without a GPU: a recorded launch is compiled with the
 specialisation its arguments give (the alignment a GPU launch would see); the PDL prologue's
-L2 prefetch in ``paged_attention``'s compiled code."""
+L2 prefetch in ``paged_attention``'s compiled code; its prefill tiles' K/V pipeline."""
 
 import json
 import os
@@ -48,3 +48,18 @@ def test_paged_attention_prefetches_its_first_key_blocks_before_the_wait():
         assert r["before_wait"] == r["prefetches"], result
     assert plan["depth"] == 1 and plan["prefetches"] == one["prefetches"], result
     assert one["registers"] <= none["registers"] + 8, result
+
+
+def test_paged_attention_prefill_tiles_pipeline_their_kv_tiles_to_the_stages():
+    """The head dim 128 flash tiles read each key block's slots from the key table one block
+    ahead (``PagedPlan.SLOTS_AHEAD``), so Triton's pipeliner buffers their K/V tiles as deep
+    as the launch's stages: one more stage takes one more key block's K and V tiles of shared
+    memory. (With the table read in the iteration that used it, a third stage took no more
+    shared memory: the tiles stayed one block ahead.)"""
+    result = json.loads(_run(os.path.join(HERE, "paged_pipeline_probe.py")).strip().splitlines()[-1])
+    assert result["128"]["plan"]["slots_ahead"], result
+    for head_dim, r in result.items():
+        plan, deeper = r["plan"], r["deeper"]
+        assert plan["block_m"] == 128 and deeper["stages"] == plan["stages"] + 1, result
+        if plan["slots_ahead"]:
+            assert deeper["shared_bytes"] - plan["shared_bytes"] >= plan["kv_block_bytes"], (head_dim, result)

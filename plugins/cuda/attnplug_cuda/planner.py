@@ -91,8 +91,10 @@ class PagedPlan(NamedTuple):
     tile, ``NUM_SPLITS`` KV splits (flash-decoding, merged by the combine kernel), ``PHASES``
     (the blocks every row sees whole in an unmasked loop of their own), ``PREFETCH`` (key
     blocks whose cached K/V lines go to L2 before a PDL prologue's wait), the launch's
-    ``num_warps`` / ``num_stages`` and ``max_registers`` (a thread's register cap, Triton's
-    ``maxnreg``; None: the compiler's choice)."""
+    ``num_warps`` / ``num_stages``, ``max_registers`` (a thread's register cap, Triton's
+    ``maxnreg``; None: the compiler's choice) and ``SLOTS_AHEAD`` (with ``PHASES``: each key
+    block's slots read from the key table one block ahead, so the K/V tiles pipeline to
+    ``num_stages``)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -102,6 +104,7 @@ class PagedPlan(NamedTuple):
     num_warps: int
     num_stages: int
     max_registers: Optional[int] = None
+    SLOTS_AHEAD: bool = False
 
 
 @dataclass(frozen=True)
@@ -392,6 +395,9 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         num_warps=num_warps,
         num_stages=num_stages,
         max_registers=max_registers,
+        # Head dim 128 tiles read their slots ahead (faster, docs/benchmarks.md "Prefill");
+        # the head dim 256 tiles, measured slower that way, read them in the block's iteration.
+        SLOTS_AHEAD=block_m > 16 and block_d <= 128,
     )
 
 

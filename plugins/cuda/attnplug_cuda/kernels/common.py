@@ -238,7 +238,14 @@ def key_slots(t_row, start, s_hi, t_start, width, num_slots, BLOCK_N: tl.constex
         slot = tl.load(t_row + col, mask=(offs_n < s_hi) & (col >= 0) & (col < width), other=0)
     else:
         slot = tl.load(t_row + col, mask=(col >= 0) & (col < width), other=0)
-    return offs_n, slot, (slot >= 1) & (slot < num_slots)
+    return offs_n, slot, slot_is_key(slot, num_slots)
+
+
+@triton.jit
+def slot_is_key(slot, num_slots):
+    """Which cache slots hold keys: those in ``[1, num_slots)`` (slot 0 is the sink; a table
+    entry outside the cache is no key)."""
+    return (slot >= 1) & (slot < num_slots)
 
 
 @triton.jit

@@ -81,6 +81,7 @@ from .common import (
     pdl_wait,
     quantize_kv,
     scaled_logits,
+    slot_is_key,
     softmax_block,
     table_entry,
     table_row,
@@ -112,17 +113,19 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo, t_row, t_start, width, num_slots,
+def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo, slot, num_slots,
                   K, V, kv_stride, kv_col, d_valid, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   EVEN_D: tl.constexpr):  # fmt: skip
-    """One block of ``BLOCK_N`` keys from ``start`` folded into ``(acc, l_i, m_i)``.
+    """One block of ``BLOCK_N`` keys from ``start``, at the cache's rows ``slot`` (``[BLOCK_N]``
+    from ``common.key_slots``), folded into ``(acc, l_i, m_i)``.
     ``MASKED=False`` only for blocks every row sees whole (no causal / window / range mask);
     a column with no key is no key in both kinds of block. With ``EVEN_D`` (head dim ==
     BLOCK_D) the load mask is constant along the head dim, so K/V rows load as full-width
     vectors. An FP8 cache's stored values are used as they are (``qk_scale`` holds the kv
     head's ``k_scale``; the caller multiplies the result by its ``v_scale``)."""
     PRECISION: tl.constexpr = "ieee" if q.dtype == tl.float32 else "tf32"
-    offs_n, slot, has_key = key_slots(t_row, start, s_hi, t_start, width, num_slots, BLOCK_N, MASKED)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    has_key = slot_is_key(slot, num_slots)
     if EVEN_D:
         kv_mask = has_key[:, None]
     else:
@@ -137,6 +140,41 @@ def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo
     p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i)
     v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end, s_hi, pos, lo, t_row, t_start, width,
+                  num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  EVEN_D: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
+    """Key blocks ``i_begin <= i < i_end`` (block ``i`` starts at ``s_lo + i * BLOCK_N``), all
+    of one kind (``MASKED``), folded into ``(acc, l_i, m_i)``.
+
+    ``AHEAD`` (``PagedPlan.SLOTS_AHEAD``): each block's slots are read from the key table one
+    block ahead and carried into the next iteration, so no K/V address waits for a table load
+    of its own iteration and Triton's pipeliner issues the K/V tiles ``num_stages - 1`` blocks
+    ahead (with the table read in the iteration that uses it, the tiles stay one block ahead
+    whatever the stages). Only the slots are carried: carrying their validity too made Triton
+    3.9's pipeliner fail to compile the loop. The read past the last block stays inside the
+    table's row (``key_slots``) and is not used."""
+    if AHEAD:
+        _, slot, _ = key_slots(t_row, s_lo + i_begin * BLOCK_N, s_hi, t_start, width, num_slots, BLOCK_N, MASKED)
+        for i in range(i_begin, i_end):
+            _, slot_next, _ = key_slots(
+                t_row, s_lo + (i + 1) * BLOCK_N, s_hi, t_start, width, num_slots, BLOCK_N, MASKED
+            )
+            acc, l_i, m_i = _attend_block(
+                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, slot, num_slots,
+                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D
+            )  # fmt: skip
+            slot = slot_next
+    else:
+        for i in range(i_begin, i_end):
+            _, slot, _ = key_slots(t_row, s_lo + i * BLOCK_N, s_hi, t_start, width, num_slots, BLOCK_N, MASKED)
+            acc, l_i, m_i = _attend_block(
+                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, slot, num_slots,
+                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D
+            )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -299,27 +337,25 @@ def _paged_attention_kernel(
         i1 = tl.minimum(tl.maximum(i1, i0), n_blocks)
         # the three phases differ only in their block range and MASKED: one compact call each
         # fmt: off
-        for i in range(0, i0):
-            acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, width,
-                num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D
-            )
-        for i in range(i0, i1):
-            acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, width,
-                num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, False, EVEN_D
-            )
-        for i in range(i1, n_blocks):
-            acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, t_row, t_start, width,
-                num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D
-            )
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, 0, i0, s_hi, pos, lo, t_row, t_start, width,
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD
+        )
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i0, i1, s_hi, pos, lo, t_row, t_start, width,
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, False, EVEN_D, PLAN.SLOTS_AHEAD
+        )
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i1, n_blocks, s_hi, pos, lo, t_row, t_start, width,
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD
+        )
         # fmt: on
     else:
         # fmt: off
         for start in range(s_lo, s_hi, BLOCK_N):
+            _, slot, _ = key_slots(t_row, start, s_hi, t_start, width, num_slots, BLOCK_N, True)
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo, t_row, t_start, width, num_slots,
+                acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo, slot, num_slots,
                 K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D
             )
         # fmt: on
