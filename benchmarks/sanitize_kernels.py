@@ -33,7 +33,7 @@ from attnplug_conformance.harness import World, WorldSpec
 #: 8 kv heads: three requests' 24 groups fill a sixteenth of the SMs (decode steps release at
 #: entry); a 1,024-key bound: the full layers' decode plans pair their programs
 MODEL = dict(num_layers=2, swa_layer_ids=(0,), num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-SPEC = WorldSpec(**MODEL, sliding_window=16, size=4096, size_swa=1024, max_reqs=8, max_context_len=1024)
+SPEC = WorldSpec(**MODEL, sliding_window=16, size=4096, size_swa=2048, max_reqs=8, max_context_len=1024)
 
 
 def _steps(backend_cls, kv_dtype=None) -> World:
@@ -41,7 +41,9 @@ def _steps(backend_cls, kv_dtype=None) -> World:
     ``kv_dtype``: an FP8 pool (the harness's per-head scales) under the bfloat16 model."""
     world = World(dataclasses.replace(SPEC, kv_cache_dtype=kv_dtype), backend_cls, "cuda", seed=0)
     reqs = [world.new_request() for _ in range(3)]
-    step = world.plan(ForwardMode.EXTEND, reqs, [40, 700, 100])
+    # 1,000 tokens: the flash tiles' last key block and the slots read ahead of it reach the
+    # key table's width (1,024)
+    step = world.plan(ForwardMode.EXTEND, reqs, [40, 1000, 100])
     world.run_eager(step)
     world.commit(step)
     for r in reqs:

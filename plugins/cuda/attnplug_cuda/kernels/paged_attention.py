@@ -38,7 +38,9 @@ Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV spli
   second launch (the sinks join there, once). Programs past a request's real lengths do no
   work;
 * large tiles (``PHASES``) run the key blocks every row sees whole in an unmasked loop
-  between the masked edge blocks (diagonal, window start, split end).
+  between the masked edge blocks (diagonal, window start, split end); with ``SLOTS_AHEAD``
+  each loop reads its blocks' slots one block ahead (``_attend_range``: the K/V tiles then
+  pipeline to ``num_stages``).
 
 The plan (``planner.plan_paged``) comes from host bounds only; with splits, the partials take
 ``T * H * splits * (D + 2)`` fp32 elements of ``workspace`` (``planner.paged_workspace_numel``
