@@ -395,8 +395,8 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         num_warps=num_warps,
         num_stages=num_stages,
         max_registers=max_registers,
-        # Head dim 128 tiles read their slots ahead (faster, docs/benchmarks.md "Prefill");
-        # the head dim 256 tiles, measured slower that way, read them in the block's iteration.
+        # Flash tiles of head dims up to 128 read their slots ahead (faster at 128,
+        # docs/benchmarks.md "Prefill"); at 256, measured slower that way, in the block's iteration.
         SLOTS_AHEAD=block_m > 16 and block_d <= 128,
     )
 

@@ -353,6 +353,7 @@ def _paged_attention_kernel(
         )
         # fmt: on
     else:
+        # (the decode tiles' own loop: written as an ``_attend_range`` it compiles to other code)
         # fmt: off
         for start in range(s_lo, s_hi, BLOCK_N):
             _, slot, _ = key_slots(t_row, start, s_hi, t_start, width, num_slots, BLOCK_N, True)
