@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU proof run (an H100 or H200, sm_90), in stages that each take under 10 minutes:
-#   bash benchmarks/h200.sh check   # install, conformance on cuda (~300 s cold), compute-sanitizer
+#   bash benchmarks/h200.sh check   # install, conformance on cuda (360 s and more on a cold machine)
+#   bash benchmarks/h200.sh sanitize  # compute-sanitizer memcheck and racecheck over every kernel
 #   bash benchmarks/h200.sh pdl     # the PDL proof: twin worlds bit-identical, programmatic graph edges
 #   bash benchmarks/h200.sh bench   # benchmarks (attnplug bench --backend cuda): table, JSON, PNG plots,
 #                                   # the figures appended to $OUT/history.jsonl; FlashInfer from .whl/
@@ -57,12 +58,15 @@ if [ "$stage" = check ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$out/env.log" 2>&1
   python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
   python3 -m attnplug.cli info >>"$out/env.log" 2>&1
-  run conformance 360 python3 -m attnplug.cli conformance --backend cuda --report "$out/conformance.json"
-  run sanitize_warm 120 python3 benchmarks/sanitize_kernels.py  # compiles its kernels outside the sanitizer
-  run memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
-  run racecheck 60 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
+  run conformance 540 python3 -m attnplug.cli conformance --backend cuda --report "$out/conformance.json"
   cat "$out/env.log"
   grep -E "^│|passed|failed|PASSED|FAILED|error" "$out/conformance.log" | tail -25
+elif [ "$stage" = sanitize ]; then
+  gpu_env
+  run sanitize_warm 300 python3 benchmarks/sanitize_kernels.py  # compiles its kernels outside the sanitizer
+  run memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
+  run racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py
+  cat "$out/env.log"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels ran|Error" "$out/memcheck.log" "$out/racecheck.log" | tail -6
 elif [ "$stage" = pdl ]; then
   gpu_env
