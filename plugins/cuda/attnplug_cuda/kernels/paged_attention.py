@@ -158,7 +158,8 @@ def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end
     ahead (with the table read in the iteration that uses it, the tiles stay one block ahead
     whatever the stages). Only the slots are carried: carrying their validity too made Triton
     3.9's pipeliner fail to compile the loop. The read past the last block stays inside the
-    table's row (``key_slots``) and is not used."""
+    table's row (``key_slots``) and is not used. (The two loops are written apart: as one
+    loop with ``AHEAD`` branches inside, the read-ahead tiles compile to other code.)"""
     if AHEAD:
         _, slot, _ = key_slots(t_row, s_lo + i_begin * BLOCK_N, s_hi, t_start, width, num_slots, BLOCK_N, MASKED)
         for i in range(i_begin, i_end):
