@@ -77,7 +77,7 @@ elif [ "$stage" = trust ]; then
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/env.log" 2>&1
   python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'python', sys.version.split()[0])" >>"$out/env.log" 2>&1
   run gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_kernels_kv_store.py \
-    tests/cuda/test_cuda_kernels_paged_attention.py tests/cuda/test_sm90_prefill_gpu.py tests/cuda/test_cuda_kernels_paged_store.py \
+    tests/cuda/test_cuda_kernels_paged_attention.py tests/cuda/test_cuda_kernels_paged_store.py \
     tests/cuda/test_cuda_kernels_store_attend.py tests/cuda/test_cuda_kernels_step_metadata.py \
     tests/cuda/test_cuda_replay_copy.py tests/cuda/test_cuda_softcap_sinks_interpreted.py \
     tests/cuda/test_cuda_csrc_build.py tests/cuda/test_cuda_one_launch_steps.py \

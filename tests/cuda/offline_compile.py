@@ -95,10 +95,7 @@ def compile_launch(launch: Launch):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    source = ASTSource
-    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (paged_prefill_sm90)
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=target, options=options.__dict__)
 
 

@@ -6,8 +6,7 @@ to values of different types in the two branches of a runtime ``if``). This scri
 cuda backend through the launches a serving loop makes (EXTEND, eager DECODE on the one-launch
 small-step path, graph capture and replay of DECODE and TARGET_VERIFY, with and without
 soft-capping and sinks, SWA and full layers; the paths a tuning selects; over bfloat16 and FP8
-KV caches; a prefill of more than 1,024 tokens, whose bfloat16 tiles are the Gluon
-``_paged_prefill_sm90_kernel``'s, as on a Hopper GPU), records each
+KV caches), records each
 ``kernel[grid](...)`` launch instead of running it, and compiles every distinct (kernel,
 argument types, constexprs, options) for ``GPUTarget("cuda", 90, 32)`` down to a cubin with
 the ptxas Triton ships (a decode or draft launch whose registers spill fails too, but for a
@@ -50,15 +49,9 @@ def drive() -> None:
 
     # accept a CPU pool: no kernel runs here anyway
     cuda_backend.CudaBackend.device_part.serves = lambda device: True
-    # the prefill tiles of a Hopper GPU (bfloat16 pools): paged_prefill_sm90's Gluon kernel
-    part = cuda_backend.CudaBackend.device_part
-    part.wgmma_support = lambda device: (True, "sm_90, offline")
-    part.default_tuning = lambda: dataclasses.replace(CudaTuning.from_env(), sm90_prefill=True)
     common.num_sms = lambda device: 132  # the plans of a 132-SM H100 / H200, not the CPU stand-in
 
-    paged = functools.partial(
-        cuda_backend.CudaBackend, tuning=dataclasses.replace(CudaTuning(), one_launch=False, sm90_prefill=True)
-    )
+    paged = functools.partial(cuda_backend.CudaBackend, tuning=dataclasses.replace(CudaTuning(), one_launch=False))
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     for extra, backend_cls, kv_heads, kv_dtype in (
         ({}, cuda_backend.CudaBackend, 2, None),
@@ -73,7 +66,7 @@ def drive() -> None:
     ):
         model = dict(num_layers=2, swa_layer_ids=(0,), num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=128)
         # a 1,024-key bound: full layers split their KV range (the combine kernel)
-        pools = dict(size=4096, size_swa=2048, max_reqs=8, max_context_len=1024)
+        pools = dict(size=2048, size_swa=1024, max_reqs=8, max_context_len=1024)
         spec = WorldSpec(**model, **pools, dtype=torch.bfloat16, kv_cache_dtype=kv_dtype, sliding_window=16, **extra)
         world = World(spec, backend_cls, "cpu", seed=0)
         world.backend.pdl = True  # the launches a Hopper GPU gets
@@ -84,9 +77,6 @@ def drive() -> None:
         step = world.plan(ForwardMode.DECODE, reqs)
         world.run_eager(step)
         world.commit(step)
-        # a prefill of more than 1,024 tokens: unsplit 128-row tiles (the wgmma tiles on bf16 pools)
-        step = world.plan(ForwardMode.EXTEND, [world.new_request(), world.new_request()], [1000, 100])
-        world.run_eager(step)
         runner = world.graph_runner(max_bs=4, num_draft_tokens=3, bucket_sizes=[4])
         for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
             step = world.plan(mode, reqs, num_draft_tokens=3 if mode.is_speculative else None)
@@ -126,8 +116,7 @@ def main() -> int:
         spilled = r["spill_bytes"] > 0
         spills += spilled
         plan = launch.kwargs.get("PLAN")
-        prefill = (plan is not None and getattr(plan, "BLOCK_M", 0) > 16) or name == "_paged_prefill_sm90_kernel"
-        if spilled and not prefill:
+        if spilled and not (plan is not None and getattr(plan, "BLOCK_M", 0) > 16):
             # (the prefill tiles' spills are known: the prefill issue; a decode tile over an
             # FP8 cache trades a few spilled bytes for its blocks' keys or programs an SM)
             if not _fp8_cache(launch) or r["spill_bytes"] > FP8_DECODE_SPILL_BYTES:

@@ -29,7 +29,6 @@ def test_triton_kernels_have_distinct_descriptive_names():
         "_paged_attention_kernel",
         "_split_combine_kernel",
         "_store_attend_kernel",
-        "_paged_prefill_sm90_kernel",
     }, kernels
     assert all(len(files) == 1 for files in kernels.values()), kernels
     architecture = (ROOT / "docs" / "architecture.md").read_text()

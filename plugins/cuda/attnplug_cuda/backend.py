@@ -156,9 +156,6 @@ class TritonBackend(AttentionBackend):
             window=self.sliding_window if self.has_swa else None,
             num_sms=part.compute_units(self.device),
             kv_fp8=pool.is_fp8,
-            wgmma=self.tuning.sm90_prefill
-            and dtype in (torch.float16, torch.bfloat16)
-            and part.wgmma_support(self.device)[0],
         )
         self.forward_metadata: Optional[StepTables] = None
         self.cuda_graph_swa_out_cache_loc: Optional[torch.Tensor] = None

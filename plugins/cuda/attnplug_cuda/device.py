@@ -32,7 +32,6 @@ from attnplug.graphs import PoolOps, StreamGraph
 
 from . import env
 from .triton_part import TritonDevicePart
-from .tuning import CudaTuning
 
 __all__ = ["CudaDevice", "cuda_graph", "strict_sync_guard", "kv_store_choice", "rocm_version"]
 
@@ -92,23 +91,6 @@ class CudaDevice(TritonDevicePart):
 
         return pdl.pdl_supported(device)
 
-    def wgmma_support(self, device: torch.device):
-        """A compute capability 9.0 GPU (H100 / H200: ``wgmma`` is sm_90a's; later GPUs have
-        other tensor-core instructions) on a CUDA build of torch, whose Triton has Gluon's
-        Hopper language; never under the Triton interpreter."""
-        from .kernels.interpret import interpreting
-
-        if device.type != "cuda" or rocm_version() or interpreting() or not torch.cuda.is_available():
-            return False, "not a CUDA GPU (the Triton tiles)"
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) != (9, 0):
-            return False, f"compute capability {major}.{minor}: the wgmma tiles are sm_90's"
-        try:
-            import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-        except ImportError as exc:
-            return False, f"this Triton has no Gluon Hopper language ({exc})"
-        return True, "compute capability 9.0, Gluon"
-
     def compute_units(self, device: torch.device) -> int:
         from .kernels import common  # read at call time (a test may stand in another count)
 
@@ -142,15 +124,4 @@ class CudaDevice(TritonDevicePart):
                 else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)"
             )
             platform = "CUDA (NVIDIA); on a ROCm torch: AMD GPUs, PDL compiled out"
-        default = "on" if CudaTuning().sm90_prefill else "off"
-        sm90_rule = (
-            f"{default} by default (CudaTuning.sm90_prefill): prefill tiles at head dim 128 over a float16 / bfloat16 "
-            "cache as paged_prefill_sm90 (Gluon, wgmma) on a compute capability 9.0 GPU"
-        )
-        return {
-            "pdl_rule": pdl_rule,
-            "platform": platform,
-            "kv_store": store,
-            "kv_store_reason": store_reason,
-            "sm90_prefill": "off: ROCm build of torch" if hip else sm90_rule,
-        }
+        return {"pdl_rule": pdl_rule, "platform": platform, "kv_store": store, "kv_store_reason": store_reason}

@@ -70,8 +70,6 @@ class CudaOps(PagedOps):
         self._kv_store, self._paged_attention = kv_store.kv_store, paged_attention.paged_attention
         self._inputs, self._key_table, self._scales = common.AttentionInputs, common.KeyTable, common.KVScales
         self._num_sms = part.compute_units(self.device)
-        #: launches over float16 / bfloat16 caches may run paged_prefill_sm90's tiles
-        self._wgmma = self.tuning.sm90_prefill and part.wgmma_support(self.device)[0]
         self._rows: Optional[torch.Tensor] = None
 
     def _table_rows(self, n: int) -> torch.Tensor:
@@ -133,7 +131,6 @@ class CudaOps(PagedOps):
             window=window,
             num_sms=self._num_sms,
             kv_fp8=scales is not None,
-            wgmma=self._wgmma and query.dtype in (torch.float16, torch.bfloat16),
         )
         inputs = self._inputs(
             step.query_start_loc,

@@ -92,10 +92,9 @@ class PagedPlan(NamedTuple):
     (the blocks every row sees whole in an unmasked loop of their own), ``PREFETCH`` (key
     blocks whose cached K/V lines go to L2 before a PDL prologue's wait), the launch's
     ``num_warps`` / ``num_stages``, ``max_registers`` (a thread's register cap, Triton's
-    ``maxnreg``; None: the compiler's choice), ``SLOTS_AHEAD`` (with ``PHASES``: each key
+    ``maxnreg``; None: the compiler's choice) and ``SLOTS_AHEAD`` (with ``PHASES``: each key
     block's slots read from the key table one block ahead, so the K/V tiles pipeline to
-    ``num_stages``) and ``WGMMA`` (the tiles are ``paged_prefill_sm90``'s: Gluon, asynchronous
-    ``wgmma``, 128 x 128, 8 warps, ``num_stages`` K/V buffers)."""
+    ``num_stages``)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -106,15 +105,13 @@ class PagedPlan(NamedTuple):
     num_stages: int
     max_registers: Optional[int] = None
     SLOTS_AHEAD: bool = False
-    WGMMA: bool = False
 
 
 @dataclass(frozen=True)
 class AttentionShape:
     """What a backend instance fixes: heads, head dim, the widest context
     (``req_to_token``'s columns), the window (None without SWA layers), the device's SMs,
-    whether the cache stores FP8 (``kv_fp8``), whether its prefill tiles may be
-    ``paged_prefill_sm90``'s (``wgmma``: ``LaunchShape``)."""
+    whether the cache stores FP8 (``kv_fp8``)."""
 
     num_heads: int
     num_kv_heads: int
@@ -123,7 +120,6 @@ class AttentionShape:
     window: Optional[int]
     num_sms: int
     kv_fp8: bool = False
-    wgmma: bool = False
 
     @property
     def group(self) -> int:
@@ -139,10 +135,7 @@ class LaunchShape(NamedTuple):
     new tokens, up to ``max_q_len`` of them a request, ``num_kv_heads`` kv heads of ``group``
     q heads each, ``head_dim``, ``max_kv_len`` (a host bound of the keys a request reads: the
     key table's width), the ``window`` (None: a full layer), the device's ``num_sms``, whether
-    the cache stores FP8 (``kv_fp8``: its keys are half the bytes), whether the launch may run
-    ``paged_prefill_sm90``'s tiles (``wgmma``: a Hopper GPU whose Triton has Gluon, q and the
-    cache in float16 / bfloat16, the tuning's ``sm90_prefill``: the device part's
-    ``wgmma_support``)."""
+    the cache stores FP8 (``kv_fp8``: its keys are half the bytes)."""
 
     num_reqs: int
     num_tokens: int
@@ -154,7 +147,6 @@ class LaunchShape(NamedTuple):
     window: Optional[int]
     num_sms: int
     kv_fp8: bool = False
-    wgmma: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,7 +223,7 @@ def plan_step(
     for window, max_kv_len in kinds:
         group, heads = s.group, s.num_kv_heads
         launch = LaunchShape(
-            num_reqs, num_tokens, heads, group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms, s.kv_fp8, s.wgmma
+            num_reqs, num_tokens, heads, group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms, s.kv_fp8
         )
         if path is Path.ONE_LAUNCH:
             kernel = plan_one_launch(launch, t)
@@ -251,7 +243,7 @@ def plan_step(
 def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     """``store_attend``'s plan: key blocks, warps, stages and KV splits for one launch shape."""
     t = tuning
-    num_reqs, _, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms = shape[:9]
+    num_reqs, _, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _ = shape
     rows = _pow2(max(1, max_q_len) * group)
     block_d = _pow2(head_dim)
     span = max(1, max_kv_len)
@@ -357,7 +349,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     """``paged_attention``'s plan: tiles, warps, stages, KV splits, loop shape and prefetch
     depth for one launch shape."""
     t = tuning
-    num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms = shape[:9]
+    num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _ = shape
     block_d = _pow2(head_dim)
     rows = max(1, max_q_len) * group
     block_m = min(max(16, _pow2(rows)), 128)
@@ -392,21 +384,6 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     if base < target:
         splits = min(_cdiv(target, base), _cdiv(span, _split_keys(t.paged_split_keys, shape, t)), t.paged_max_splits)
         splits = max(1, min(splits, t.paged_split_tokens // max(1, num_tokens)))
-    # Prefill tiles of 128 rows at head dim 128, unsplit, over a 16-bit cache run as
-    # paged_prefill_sm90 where the launch may (``shape.wgmma``): one block's softmax overlaps
-    # the block before's P.V there, which Triton's tl.dot does not (docs/benchmarks.md,
-    # "Prefill").
-    if shape.wgmma and block_m == 128 and head_dim == 128 and splits == 1 and not shape.kv_fp8:
-        return PagedPlan(
-            BLOCK_M=128,
-            BLOCK_N=128,
-            NUM_SPLITS=1,
-            PHASES=True,
-            PREFETCH=0,
-            num_warps=8,
-            num_stages=t.sm90_prefill_stages,
-            WGMMA=True,
-        )
     # The decode tiles send their first key block's cached K/V lines to L2 before a PDL
     # prologue's wait; more blocks (a whole window) cost more than they save.
     return PagedPlan(

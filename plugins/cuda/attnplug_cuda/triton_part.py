@@ -14,8 +14,6 @@ decides comes from the small part a backend class names (``device_part``):
 * ``kv_store_choice(wanted, build)``: whether the CUDA C++ KV store may run (only on a CUDA
   build of torch);
 * ``default_tuning()``: the plan defaults (block sizes, warps, the planner's bounds);
-* ``wgmma_support(device)``: whether prefill tiles may run as ``paged_prefill_sm90`` (Gluon,
-  Hopper's asynchronous ``wgmma``): only a compute capability 9.0 GPU whose Triton has Gluon;
 * ``fp8_kv_problem(dtype, device)``: why the device's Triton cannot run the kernels over an FP8
   KV cache of ``dtype`` (None: it can); the backend refuses such a pool at construction and
   the op layer such a cache, naming the reason;
@@ -66,10 +64,6 @@ class TritonDevicePart(DevicePart):
 
     def compute_units(self, device: torch.device) -> int:
         return HOST_COMPUTE_UNITS
-
-    def wgmma_support(self, device: torch.device) -> Tuple[bool, str]:
-        """``(may run paged_prefill_sm90's tiles, reason)`` on ``device``."""
-        return False, f"no Hopper wgmma tiles on {self.device_type}"
 
     def kv_store_choice(self, wanted: str, build: bool = True) -> Tuple[str, str]:
         if wanted == "cpp":

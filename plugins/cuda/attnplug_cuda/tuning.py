@@ -95,14 +95,6 @@ class CudaTuning:
     #: programs an SM). An NVIDIA compile option: other devices' defaults have None
     fp8_decode_registers: Optional[int] = 128
 
-    # Hopper prefill tiles (``kernels.paged_prefill_sm90``)
-    #: prefill tiles at head dim 128 over a float16 / bfloat16 cache run as
-    #: ``paged_prefill_sm90`` where the device part's ``wgmma_support`` allows (a compute
-    #: capability 9.0 GPU whose Triton has Gluon); False: ``paged_attention``'s Triton tiles.
-    #: Off until the tiles have run on a GPU (compiled for sm_90 on the host only so far)
-    sm90_prefill: bool = False
-    #: K/V buffers of each (``num_stages``) in those tiles: 2 or 3 (3 take 224 KiB of shared memory)
-    sm90_prefill_stages: int = 2
     # the device's tiles (``TritonDevicePart.default_tuning``: other devices other defaults)
     #: the widest key block of any plan (a power of two >= 16)
     max_block_n: int = 256
@@ -124,8 +116,6 @@ class CudaTuning:
         regs = self.fp8_decode_registers
         if regs is not None and (isinstance(regs, bool) or not isinstance(regs, int) or not 24 <= regs <= 255):
             raise ValueError(f"fp8_decode_registers must be None or an int in [24, 255], got {regs!r}")
-        if self.sm90_prefill_stages not in (2, 3):
-            raise ValueError(f"sm90_prefill_stages must be 2 or 3, got {self.sm90_prefill_stages}")
         if self.max_block_n < 16:
             raise ValueError(f"max_block_n must be >= 16, got {self.max_block_n}")
         for name in (

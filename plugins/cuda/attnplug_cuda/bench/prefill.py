@@ -8,9 +8,6 @@ prompt of 4,096 and the batch, page size 16).
 
 * **cuda**: ``CudaBackend.forward`` of the EXTEND step over a one-layer pool (the KV store and
   ``paged_attention``; metadata built once before), eagerly, ``triton.testing.do_bench``;
-* **cuda, the other prefill tiles** (``tiles_peer``; on a compute capability 9.0 GPU whose
-  Triton has Gluon): the same forward with ``CudaTuning.sm90_prefill`` the other way round
-  (the Hopper tiles of ``paged_prefill_sm90`` against ``paged_attention``'s Triton tiles);
 * **flashinfer** (``flashinfer_prefill``; where ``import flashinfer`` works):
   ``BatchPrefillWithPagedKVCacheWrapper`` on the same cache, planned and compiled in set-up,
   the faster of its ``fa3`` / ``fa2`` backends;
@@ -25,14 +22,12 @@ run for reference; they are not measured here.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from attnplug.bench import Ctx
-from attnplug.bench.prefill import PrefillCase, PrefillPeer, run_prefill_benchmark
-from attnplug.bench.step_spec import PeerUnavailable
+from attnplug.bench.prefill import PrefillCase, run_prefill_benchmark
 
 NAME = "prefill"
 NUM_HEADS, NUM_KV_HEADS = 32, 8
@@ -64,35 +59,6 @@ def tflops_target(case: PrefillCase) -> Optional[float]:
     return TFLOPS_TARGET if held else None
 
 
-def tiles_peer(rep_ms: float) -> PrefillPeer:
-    """The cuda backend with the other prefill tiles (``CudaTuning.sm90_prefill`` flipped):
-    what the default's choice is measured against, where the device has both."""
-    from ..device import CudaDevice
-    from ..tuning import CudaTuning
-
-    other = not CudaTuning().sm90_prefill
-    name = f"cuda sm90_prefill={'on' if other else 'off'}"
-
-    def measure(ctx: Ctx, world) -> Tuple[float, torch.Tensor, str, dict]:
-        from ..backend import CudaBackend
-
-        ok, reason = CudaDevice().wgmma_support(world.pool.device)
-        if not ok:
-            raise PeerUnavailable(f"one tile family here: {reason}")
-        tuning = dataclasses.replace(CudaDevice().default_tuning(), sm90_prefill=other)
-        backend = CudaBackend(world.pool, world.rows, num_heads=world.num_heads, tuning=tuning)
-        backend.init_forward_metadata(world.batch)
-
-        def forward() -> torch.Tensor:
-            return backend.forward(world.q, world.k, world.v, 0, world.batch)
-
-        out = forward()
-        us = ctx.timer.device_us(forward, rep_ms=rep_ms)
-        return us, out, "KV store + paged attention, the other prefill tiles", {}
-
-    return PrefillPeer(name, measure, what="the cuda forward with the other prefill tiles")
-
-
 def run(ctx: Ctx) -> List[dict]:
     from ..backend import CudaBackend
     from . import flashinfer_prefill
@@ -108,10 +74,7 @@ def run(ctx: Ctx) -> List[dict]:
         num_heads=NUM_HEADS,
         num_kv_heads=NUM_KV_HEADS,
         dtype=torch.bfloat16,
-        peers=[
-            tiles_peer(rep_ms),
-            flashinfer_prefill.peer(sorted({c.head_dim for c in chosen}), target=FLASHINFER_TARGET, rep_ms=rep_ms),
-        ],
+        peers=[flashinfer_prefill.peer(sorted({c.head_dim for c in chosen}), target=FLASHINFER_TARGET, rep_ms=rep_ms)],
         tflops_target=tflops_target,
         rep_ms=rep_ms,
     )

@@ -445,15 +445,8 @@ def paged_attention(
     drafts). The grid is sized from the host bound ``inputs.max_q_len``; the kernels read the
     real lengths on the device. ``workspace``: fp32, used when the plan splits the KV range;
     allocated here when None (pass one for graph capture). ``pdl``: the launch's PDL schedule
-    (None: without PDL); the combine kernel, when there is one, runs ``PLAIN``. A plan with
-    ``WGMMA`` runs ``paged_prefill_sm90`` instead (no PDL there: its launch waits for the
-    kernels before it as any launch does).
+    (None: without PDL); the combine kernel, when there is one, runs ``PLAIN``.
     """
-    if plan.WGMMA:  # Hopper's tiles (Gluon: imported only where planned), a plain launch
-        assert new is None, "paged_prefill_sm90's tiles store no rows"
-        from .paged_prefill_sm90 import paged_prefill_sm90
-
-        return paged_prefill_sm90(q, k_cache, v_cache, out, inputs, plan)
     T, H, D, hkv, G, bs = check_attention_args(q, k_cache, v_cache, out, inputs)
     max_q_len, window = inputs.max_q_len, inputs.window
 
