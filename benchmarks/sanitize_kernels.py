@@ -37,7 +37,8 @@ SPEC = WorldSpec(**MODEL, sliding_window=16, size=4096, size_swa=2048, max_reqs=
 
 
 def _steps(backend_cls, kv_dtype=None) -> World:
-    """A prefill, an eager decode, then a decode and a verify step replayed from graphs;
+    """A prefill, an eager decode, then a decode, a verify and a chunked-prefill (EXTEND, a
+    token-count bucket of 64 with padding: the tile map) step replayed from graphs;
     ``kv_dtype``: an FP8 pool (the harness's per-head scales) under the bfloat16 model."""
     world = World(dataclasses.replace(SPEC, kv_cache_dtype=kv_dtype), backend_cls, "cuda", seed=0)
     reqs = [world.new_request() for _ in range(3)]
@@ -51,11 +52,14 @@ def _steps(backend_cls, kv_dtype=None) -> World:
     step = world.plan(ForwardMode.DECODE, reqs)
     world.run_eager(step)
     world.commit(step)
-    runner = world.graph_runner(max_bs=4, num_draft_tokens=3, bucket_sizes=[4])
+    runner = world.graph_runner(max_bs=4, num_draft_tokens=3, bucket_sizes=[4], extend_tokens=[64])
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
         step = world.plan(mode, reqs, num_draft_tokens=3 if mode.is_speculative else None)
         runner.run(step.batch, step.inputs)
         world.commit(step)
+    step = world.plan(ForwardMode.EXTEND, reqs, [7, 10, 1])
+    runner.run(step.batch, step.inputs)
+    world.commit(step)
     return world
 
 

@@ -541,9 +541,11 @@ class World:
         bucket_sizes=None,
         modes=None,
         capture: bool = True,
+        extend_tokens=None,
     ) -> GraphRunner:
         """A ``GraphRunner`` over this world's backend (its constructor calls
-        ``init_cuda_graph_state``), captured unless ``capture=False``."""
+        ``init_cuda_graph_state``), captured unless ``capture=False``; ``extend_tokens``: its
+        EXTEND token-count buckets (None: EXTEND steps run eagerly)."""
         runner = GraphRunner(
             self.backend,
             self.step_fn,
@@ -552,6 +554,7 @@ class World:
             num_draft_tokens=num_draft_tokens,
             bucket_sizes=bucket_sizes,
             modes=modes,
+            extend_tokens=extend_tokens,
         )
         if capture:
             runner.capture()

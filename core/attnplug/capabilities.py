@@ -29,9 +29,9 @@ class GraphSupport(enum.IntEnum):
     * ``ALWAYS``: every mode with new tokens, EXTEND included (the backend's metadata and
       kernels take variable per-request lengths from device tensors inside a graph).
 
-    ``GraphRunner`` captures only the uniform modes (one graph per batch-size bucket fixes the
-    tokens per request), so under it EXTEND steps run eagerly whatever the level; ``ALWAYS``
-    matters to an engine that captures EXTEND steps itself.
+    ``GraphRunner`` captures the uniform modes per batch-size bucket (which fixes the tokens per
+    request) and, at ``ALWAYS`` and when built with ``extend_tokens``, EXTEND steps per
+    token-count bucket (padded requests without new tokens, padded tokens of no request).
     """
 
     NEVER = 0

@@ -31,7 +31,7 @@ its graphs were captured with alive and current).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -96,18 +96,20 @@ class GraphBuffers:
                 f"(max_bs={self.max_bs}, max_num_tokens={self.max_num_tokens})"
             )
 
-    def view(self, name: str, bs: int, q_len: int) -> torch.Tensor:
+    def view(self, name: str, bs: int, q_len: int, num_tokens: Optional[int] = None) -> torch.Tensor:
         """The part of buffer ``name`` a captured ``(bs, q_len)`` step uses: ``[:bs]`` of a
-        request buffer, ``[:bs * q_len]`` of a token buffer (``swa_out_cache_loc`` included),
-        the whole of a fixed-size one. Always a view: same storage, never a copy."""
-        self.check_fits(bs, bs * q_len)
+        request buffer, ``[:bs * q_len]`` of a token buffer (``swa_out_cache_loc`` included;
+        ``[:num_tokens]`` when given: an EXTEND step's tokens), the whole of a fixed-size one.
+        Always a view: same storage, never a copy."""
+        n = bs * q_len if num_tokens is None else num_tokens
+        self.check_fits(bs, n)
         if name == "swa_out_cache_loc":
-            return self.swa_out_cache_loc[: bs * q_len]
+            return self.swa_out_cache_loc[:n]
         rows, tensor = self._buffers[name] if name in self._buffers else (None, self[name])
         if rows == "requests":
             return tensor[:bs]
         if rows == "tokens":
-            return tensor[: bs * q_len]
+            return tensor[:n]
         return tensor
 
     # ------------------------------------------------------------------ rule 1

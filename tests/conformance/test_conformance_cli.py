@@ -61,7 +61,7 @@ def test_reference_passes_writes_report_and_prints_matrix(tmp_path):
     (backend,) = data["backends"]
     assert backend["name"] == "reference" and backend["device"] == "cpu"
     assert backend["backend"] == "attnplug.backends.reference:ReferenceBackend"
-    assert backend["capabilities"]["device_type"] == "cpu" and backend["capabilities"]["graphs"] == "UNIFORM"
+    assert backend["capabilities"]["device_type"] == "cpu" and backend["capabilities"]["graphs"] == "ALWAYS"
     tests = backend["tests"]
     assert {t["check"] for t in tests} == set(CHECKS)
     for t in tests:

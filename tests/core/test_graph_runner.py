@@ -8,7 +8,7 @@ import torch
 
 from attnplug import EagerGraph, ForwardMode, GraphRunner, GraphSupport
 from attnplug.backends.reference import ReferenceBackend
-from attnplug.graphs import GraphCaptureError, default_bucket_sizes
+from attnplug.graphs import GraphCaptureError, default_bucket_sizes, default_extend_tokens
 from attnplug_conformance.harness import World
 from fake_graph_device import use_tape_graphs
 from oracle import assert_close_rel, dense_attention
@@ -106,7 +106,12 @@ def test_one_translation_per_step(path):
 def test_runner_rejects_modes_the_backend_cannot_capture():
     world, _ = _prefilled(1)
     with pytest.raises(ValueError, match="cannot capture"):
+        GraphRunner(world.backend, world.step_fn, max_bs=2, inputs=world.input_shapes(), modes=[ForwardMode.IDLE])
+    with pytest.raises(ValueError, match="EXTEND needs extend_tokens"):
         GraphRunner(world.backend, world.step_fn, max_bs=2, inputs=world.input_shapes(), modes=[ForwardMode.EXTEND])
+    uniform = _UniformGraphs(world.pool, world.rows, num_heads=SPEC.num_heads, sliding_window=6)
+    with pytest.raises(ValueError, match="cannot capture EXTEND steps .graphs=UNIFORM"):
+        GraphRunner(uniform, world.step_fn, max_bs=2, inputs=world.input_shapes(), extend_tokens=[8])
 
 
 # ---------------------------------------------------------------- capture failures
@@ -230,7 +235,7 @@ def test_eager_steps_say_why_and_are_logged_once(caplog):
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and why in warnings[0].getMessage()
     infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
-    assert any("EXTEND" in m and "same number of new tokens" in m for m in infos)
+    assert any("EXTEND" in m and "built without extend_tokens" in m for m in infos)
     assert runner.status()["eager_runs"]["DECODE"] == {"steps": 2, "why": why}
     other = world.plan(ForwardMode.TARGET_VERIFY, reqs[:1], num_draft_tokens=3)
     assert "num_draft_tokens=3, the graphs are captured for num_draft_tokens=2" in runner.why_eager(other.batch)
@@ -249,6 +254,11 @@ def test_a_mode_whose_every_capture_failed_says_so():
     decode = world.plan(ForwardMode.DECODE, reqs)
     assert "every DECODE capture failed" in runner.why_eager(decode.batch)
     assert "no DECODE graph here" in runner.why_eager(decode.batch)
+
+
+class _UniformGraphs(ReferenceBackend):
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), graphs=GraphSupport.UNIFORM)
 
 
 class _NeverGraphs(ReferenceBackend):
@@ -302,3 +312,85 @@ def test_replay_refuses_inputs_the_captured_buffers_cannot_take(change, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         runner.run(step.batch, inputs)
     assert torch.equal(runner.inputs["q"], before)
+
+
+# ---------------------------------------------------------------- EXTEND graphs (token buckets)
+@pytest.mark.parametrize("graph", ["eager-stand-in", "tape"])
+def test_extend_replay_equals_eager_and_dense(graph):
+    """Chunks of uneven lengths on top of a prefix, replayed in token-count buckets: one filling
+    a bucket exactly, ones padded (a request and tokens of padding), one past the largest
+    bucket (eager), one request alone; each equals the eager step and dense attention."""
+    world, reqs = _prefilled(4)
+    if graph == "tape":
+        use_tape_graphs(world.backend)
+    runner = world.graph_runner(max_bs=4, bucket_sizes=[1, 2, 4], extend_tokens=[8, 16])
+    for lens, bucket in (([4, 1, 2, 1], 8), ([5, 9, 1], 16), ([3], 8), ([9, 2, 7, 1], None), ([1, 1], 8)):
+        step = world.plan(ForwardMode.EXTEND, reqs[: len(lens)], lens)
+        assert runner.bucket_for(step.batch) == bucket
+        replayed = runner.run(step.batch, step.inputs).clone()
+        assert replayed.shape[0] == sum(lens)
+        eager = world.run_eager(step)
+        assert_close_rel(replayed, eager.double().cpu(), 1e-6, f"EXTEND {lens}: replay vs eager")
+        world.commit(step)
+        for layer in range(SPEC.num_layers):
+            window = SPEC.sliding_window if world.pool.is_swa_layer(layer) else None
+            assert_close_rel(replayed[:, layer], dense_attention(step, layer, window=window), 2e-5)
+    assert runner.status()["captured"][-2:] == ["EXTEND/tokens=8", "EXTEND/tokens=16"]
+    assert "19 tokens exceed the largest captured EXTEND bucket 16" in runner.status()["eager_runs"]["EXTEND"]["why"]
+
+
+def test_extend_rows_requests_returns_a_row_per_request():
+    world, reqs = _prefilled(3)
+    last = {}
+
+    def step(batch, inputs):
+        out = world.step_fn(batch, inputs)
+        ends = torch.cumsum(batch.extend_seq_lens, 0) - 1
+        last[batch.num_tokens] = ends
+        return out[ends.clamp_min(0)]
+
+    runner = GraphRunner(
+        world.backend,
+        step,
+        max_bs=4,
+        inputs=world.input_shapes(),
+        modes=[ForwardMode.EXTEND],
+        extend_tokens=[16],
+        extend_rows="requests",
+    )
+    plan = world.plan(ForwardMode.EXTEND, reqs, [2, 6, 3])
+    rows = runner.run(plan.batch, plan.inputs).clone()
+    eager = world.run_eager(plan)
+    assert rows.shape[0] == 3
+    assert_close_rel(rows, eager[torch.tensor([1, 7, 10])].double().cpu(), 1e-6, "last token of each request")
+
+
+def test_extend_steps_that_do_not_fit_are_refused_naming_the_field():
+    world, reqs = _prefilled(2)
+    runner = world.graph_runner(max_bs=4, bucket_sizes=[1, 2, 4], extend_tokens=[8], capture=False)
+    step = world.plan(ForwardMode.EXTEND, reqs, [2, 3])
+    bad = dataclasses.replace(step.batch, extend_seq_lens=step.batch.extend_seq_lens.to(torch.float32), validate=False)
+    with pytest.raises(ValueError, match="batch.extend_seq_lens is torch.float32"):
+        runner.run(bad, step.inputs)
+    short = dataclasses.replace(step.batch, extend_seq_lens=step.batch.extend_seq_lens[:1], validate=False)
+    with pytest.raises(ValueError, match=r"batch.extend_seq_lens is \(1,\).*takes \[2\]"):
+        runner.run(short, step.inputs)
+    assert not runner.capture_ran  # refused before anything was captured
+
+
+@pytest.mark.parametrize(
+    "extend_tokens,match",
+    [([], "at least one token count"), ([8, 8], "strictly increasing"), ([0], "extend_tokens entry"), ("8", "seq")],
+)
+def test_bad_extend_tokens_are_refused(extend_tokens, match):
+    world, _ = _prefilled(1)
+    with pytest.raises(ValueError, match=match):
+        GraphRunner(world.backend, world.step_fn, max_bs=2, inputs=world.input_shapes(), extend_tokens=extend_tokens)
+    with pytest.raises(ValueError, match="extend_rows must be 'tokens' or 'requests'"):
+        GraphRunner(world.backend, world.step_fn, max_bs=2, inputs=world.input_shapes(), extend_rows="rows")
+
+
+def test_default_extend_tokens():
+    assert default_extend_tokens(100) == (100,)
+    assert default_extend_tokens(8192) == (256, 512, 1024, 2048, 4096, 8192)
+    assert default_extend_tokens(3000) == (256, 512, 1024, 2048, 3000)

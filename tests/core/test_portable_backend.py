@@ -3,6 +3,8 @@ describe() derived from the declared capabilities."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -155,8 +157,8 @@ def test_describe_is_derived_from_the_capabilities_and_never_disagrees(graphs):
     facts = Mine.describe()
     assert facts["graph_class"] == "eager"  # the device part's facts are added ...
     assert facts["graphs"] == caps.graphs.name  # ... never over a flag
-    assert caps.graphs is (GraphSupport.UNIFORM if graphs else GraphSupport.NEVER)
-    assert Mine.declared_capabilities().graphs is GraphSupport.UNIFORM  # the install-independent claim
+    assert caps.graphs is (GraphSupport.ALWAYS if graphs else GraphSupport.NEVER)
+    assert Mine.declared_capabilities().graphs is GraphSupport.ALWAYS  # the install-independent claim
     json_caps = caps.to_json()
     for key in ("needs_cpu_seq_lens", "pdl", "graphs", "dtypes", "head_dims", "page_sizes", "sliding_window"):
         assert facts[key] == json_caps[key], key
@@ -167,8 +169,9 @@ def test_an_instance_cannot_claim_more_than_its_class_declares():
     declared = ReferenceBackend.declared_capabilities()
     with pytest.raises(ValueError, match="pdl=True"):
         declared.for_instance(device_type="cpu", pdl=True)
+    uniform = dataclasses.replace(declared, graphs=GraphSupport.UNIFORM)
     with pytest.raises(ValueError, match="ALWAYS is above the declared UNIFORM"):
-        declared.for_instance(device_type="cpu", graphs=GraphSupport.ALWAYS)
+        uniform.for_instance(device_type="cpu", graphs=GraphSupport.ALWAYS)
     assert declared.for_instance(device_type="cpu", graphs=GraphSupport.NEVER).graphs is GraphSupport.NEVER
 
 
@@ -192,15 +195,11 @@ def test_graph_modes_table_and_always_includes_extend():
 
 
 def test_runner_over_an_always_backend_says_why_extend_runs_eagerly():
-    class Always(ReferenceBackend):
-        @classmethod
-        def declared_capabilities(cls):
-            return Capabilities(**{**super().declared_capabilities().__dict__, "graphs": GraphSupport.ALWAYS})
-
     pool, rows = _pool()
-    backend = Always(pool, rows, num_heads=2, sliding_window=4)
+    backend = ReferenceBackend(pool, rows, num_heads=2, sliding_window=4)
+    assert backend.capabilities().graphs is GraphSupport.ALWAYS
     runner = GraphRunner(
         backend, lambda batch, inputs: inputs["x"], max_bs=2, inputs={"x": ((4,), torch.float32)}, num_draft_tokens=2
     )
     assert set(runner.modes) == set(GraphSupport.UNIFORM.modes)
-    assert "same number of new tokens per request" in runner.not_captured[ForwardMode.EXTEND]
+    assert "built without extend_tokens" in runner.not_captured[ForwardMode.EXTEND]

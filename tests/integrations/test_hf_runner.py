@@ -174,8 +174,35 @@ def test_graph_decode_through_the_eager_stand_in_matches():
     want = [hf_greedy(tiny_model("qwen2"), p, 6) for p in prompts]
     engine = Engine(tiny_model("qwen2"), "reference", max_batch_size=2, max_context_len=24, cuda_graphs=True)
     assert engine.generate(prompts, 6) == want
-    assert engine.last_run["graph_steps"] == engine.last_run["steps"]["DECODE"] > 0
+    run = engine.last_run  # the DECODE steps and, in token-count buckets, the EXTEND ones
+    assert run["graph_steps"] == run["steps"]["DECODE"] + run["steps"]["EXTEND"] and run["steps"]["DECODE"] > 0
     assert Engine(tiny_model("qwen2"), "reference", max_batch_size=2, max_context_len=24).graphs is None
+
+
+def test_graph_extend_steps_through_the_eager_stand_in_match():
+    """EXTEND steps (chunks of 16 tokens) replayed in token-count buckets, a graph's logits a
+    row per request: the tokens of greedy generation are transformers' own."""
+    prompts = random_prompts([4, 12, 9, 30])
+    for name in ("qwen2", "gemma3_text"):
+        want = [hf_greedy(tiny_model(name), p, 5) for p in prompts]
+        engine = Engine(
+            tiny_model(name), "reference", max_batch_size=2, max_context_len=48, cuda_graphs=True, max_prefill_tokens=16
+        )
+        assert engine.graphs.extend_tokens == (16,) and ForwardMode.EXTEND in engine.graphs.modes
+        assert engine.generate(prompts, 5) == want
+        run = engine.last_run
+        assert run["graph_steps"] == run["steps"]["EXTEND"] + run["steps"]["DECODE"]
+        assert "EXTEND/tokens=16" in engine.graphs.status()["captured"]
+
+
+def test_extend_graphs_can_be_turned_off_and_are_refused_where_they_cannot_run():
+    model = tiny_model("qwen2")
+    engine = Engine(model, "reference", max_batch_size=2, max_context_len=24, cuda_graphs=True, extend_graphs=False)
+    assert engine.graphs.modes == (ForwardMode.DECODE,)
+    with pytest.raises(ValueError, match="extend_graphs=True but cuda_graphs=False"):
+        Engine(model, "reference", max_batch_size=2, max_context_len=24, cuda_graphs=False, extend_graphs=True)
+    with pytest.raises(ValueError, match="extend_graphs must be None, True or False"):
+        Engine(model, "reference", max_batch_size=2, max_context_len=24, extend_graphs="yes")
 
 
 def test_progress_line_when_asked(capsys):

@@ -81,7 +81,7 @@ def test_info_starts_no_device_runtime_and_builds_nothing(project_registry, monk
     rows = {row["name"]: row for row in data["backends"]}
     cuda = rows["cuda"]
     assert cuda["available"] is True, cuda["reason"]
-    assert cuda["capabilities"]["graphs"] == "UNIFORM" and cuda["capabilities"]["pdl"] == "run time"
+    assert cuda["capabilities"]["graphs"] == "ALWAYS" and cuda["capabilities"]["pdl"] == "run time"
     assert "kv_store" in cuda["capabilities"] and "describe() raised" not in cuda["reason"]
     assert forbidden == []
 

@@ -59,8 +59,8 @@ def test_xpu_graph_support_follows_feature_detection(monkeypatch):
     assert inst.capabilities().graphs is GraphSupport.NEVER
     assert backend.XpuBackend.describe()["graphs"] == "NEVER"
     monkeypatch.setattr(torch.xpu, "XPUGraph", object, raising=False)
-    assert inst.capabilities().graphs is GraphSupport.UNIFORM
-    assert backend.XpuBackend.describe()["graphs"] == "UNIFORM"
+    assert inst.capabilities().graphs is GraphSupport.ALWAYS
+    assert backend.XpuBackend.describe()["graphs"] == "ALWAYS"
     assert inst.capabilities().device_type == "xpu"
 
 

@@ -52,8 +52,8 @@ def test_info_lists_the_installed_plugin_and_the_broken_one(installed):
     assert example["plugin"] == "example" and example["entry_point"] == "attnplug_example.plugin"
     assert example["backend"] == "attnplug_example.backend:ExampleBackend" and example["priority"] == -1
     caps = example["capabilities"]
-    assert (caps["pdl"], caps["graphs"], caps["needs_cpu_seq_lens"]) == (False, "UNIFORM", False)
-    assert (example["pdl"], example["graphs"]) == (False, "UNIFORM")
+    assert (caps["pdl"], caps["graphs"], caps["needs_cpu_seq_lens"]) == (False, "ALWAYS", False)
+    assert (example["pdl"], example["graphs"]) == (False, "ALWAYS")
     assert caps["graph_class"].startswith("eager stand-in")  # what its device part adds
     assert rows["reference"]["available"] is True and rows["reference"]["distribution"] == "attnplug"
     broken = [e for e in data["errors"] if e["plugin"] == "broken"]

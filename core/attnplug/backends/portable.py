@@ -36,7 +36,9 @@ whatever their slot holds (NaN and Inf included): their keys and values are repl
 
 A subclass sets ``name``, ``device_part`` and, where they differ, the class attributes
 ``dtypes``, ``head_dims`` and ``page_sizes``; ``declared_capabilities()`` is built from them
-(graphs: ``UNIFORM``; an install whose device part cannot make graphs narrows it to ``NEVER``).
+(graphs: ``ALWAYS``, EXTEND steps captured too: every table is built from device tensors with
+the captured token count as the bound of one request's tokens; an install whose device part
+cannot make graphs narrows it to ``NEVER``).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class PortableBackend(AttentionBackend):
             device_type=cls.device_part.device_type,
             needs_cpu_seq_lens=cls.needs_cpu_seq_lens,
             pdl=False,
-            graphs=GraphSupport.UNIFORM,
+            graphs=GraphSupport.ALWAYS,
             dtypes=tuple(cls.dtypes),
             head_dims=tuple(cls.head_dims),
             page_sizes=tuple(cls.page_sizes),
@@ -264,21 +266,22 @@ class PortableBackend(AttentionBackend):
         self._graph_metadata = state.views
 
     def _graph_views(self, batch: ForwardBatch) -> _StepMetadata:
-        """The metadata of a captured ``(bs, q_len)`` step: views of ``graph_buffers``, built
+        """The metadata of a captured step: a uniform ``(bs, q_len)`` bucket, or an EXTEND step
+        of ``bs`` requests and up to ``num_tokens`` tokens, any request up to all of them (its
+        lengths read from ``extend_seq_lens`` on the device): views of ``graph_buffers``, built
         once per shape and kept."""
         if self.graph_buffers is None:
             raise RuntimeError("init_cuda_graph_state() must run before capture or replay")
-        q_len = batch.q_len
-        if q_len is None:
-            raise ValueError(
-                f"{batch.forward_mode.name} steps are not captured by the {self.name} backend "
-                f"(graphs={self.capabilities().graphs.name})"
-            )
-        key = (batch.batch_size, q_len)
+        q_len, n = batch.q_len, batch.num_tokens
+        if q_len is None and batch.extend_seq_lens is None:
+            raise ValueError(f"a captured {batch.forward_mode.name} step needs extend_seq_lens (a tensor)")
+        key = (batch.batch_size, q_len) if q_len is not None else ("extend", batch.batch_size, n)
         md = self._graph_metadata.get(key)
         if md is None:
             b, bs = self.graph_buffers, batch.batch_size
-            view = lambda name: b.view(name, bs, q_len)  # noqa: E731
+            if q_len is None:  # EXTEND: one request may hold every token
+                q_len = n
+            view = lambda name: b.view(name, bs, q_len, n)  # noqa: E731
             ks = self._swa_table_width(q_len) if self.has_swa else 0
             md = _StepMetadata(
                 q_len_max=q_len,

@@ -48,7 +48,10 @@ Prefill, before the decode rows, per shape ``bs x prompt_len`` of ``PREFILL_SHAP
   the model compiled once for every chunk length, as the decode rows' Engine compiles; when
   compiling fails, the eager Engine's time, the row's ``notes`` saying why), timed
   ``Engine.generate(prompts, 1)``: the whole prefill and the first token, nothing else; beside
-  it the same Engine uncompiled (variant ``attnplug eager``, information);
+  it the same Engine uncompiled (variant ``attnplug eager``, information), and uncompiled with
+  its EXTEND steps run eagerly instead of replayed in token-count graphs (``extend_graphs=False``,
+  variant ``attnplug eager, EXTEND uncaptured``: where the backend captures EXTEND steps, what
+  the captures save an eager model; information);
 * transformers: one forward of the same weights with ``attn_implementation="sdpa"`` over the
   same ``[bs, prompt_len]`` ids, ``use_cache=False`` and ``logits_to_keep=1`` (the LM head on
   the last token only, as the Engine), then the argmax;
@@ -75,6 +78,7 @@ from typing import Callable, List, Sequence
 
 import torch
 
+from ..batch import ForwardMode
 from ..integrations import transformers_missing
 from .context import Ctx
 from .rows import row
@@ -443,9 +447,10 @@ def _fp8_rows(ctx: Ctx, case: str, common: dict, model, prompts, prompt_len: int
     )
 
 
-def _engine(ctx: Ctx, model, bs: int, context: int, compile_model, kv_cache_dtype=None):
+def _engine(ctx: Ctx, model, bs: int, context: int, compile_model, kv_cache_dtype=None, extend_graphs=None):
     """An Engine of the benchmark's backend for ``bs`` requests of up to ``context`` positions
-    (rounded up to 64), with ``compile_model`` as its ``compile``, no progress line."""
+    (rounded up to 64), with ``compile_model`` as its ``compile`` and ``extend_graphs``, no
+    progress line."""
     from attnplug.integrations.transformers import Engine
 
     return Engine(
@@ -456,6 +461,7 @@ def _engine(ctx: Ctx, model, bs: int, context: int, compile_model, kv_cache_dtyp
         progress=False,
         compile=compile_model,
         kv_cache_dtype=kv_cache_dtype,
+        extend_graphs=extend_graphs,
     )
 
 
@@ -494,6 +500,10 @@ def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, ge
         eager_tokens = eager.generate(host_prompts, 1)
         if engine is None:
             engine, compiled_tokens = eager, eager_tokens
+        variants = [("attnplug", engine, compiled_tokens), ("attnplug eager", eager, eager_tokens)]
+        if eager.graphs is not None and ForwardMode.EXTEND in eager.graphs.modes:
+            uncaptured = _engine(ctx, ours_model, bs, prompt_len + 1, False, extend_graphs=False)
+            variants.append(("attnplug eager, EXTEND uncaptured", uncaptured, uncaptured.generate(host_prompts, 1)))
         hf_t = _timed(ctx, theirs, repeats)
         common = dict(
             bs=bs, series="prefill", dtype=str(dtype).replace("torch.", ""), prompt_len=prompt_len, config=config_name
@@ -512,10 +522,12 @@ def _prefill_rows(ctx: Ctx, hf_model, ours_model, config_kwargs: dict, dtype, ge
             )
         )
         times = {}
-        for variant, eng, tokens in (("attnplug", engine, compiled_tokens), ("attnplug eager", eager, eager_tokens)):
+        for variant, eng, tokens in variants:
             times[variant] = t = _timed(ctx, lambda eng=eng, p=host_prompts: eng.generate(p, 1), repeats)
             steps = eng.last_run["steps"]["EXTEND"]
             path = "compiled model" if eng.runner.compile else "eager model"
+            if eng.last_run["graph_steps"]:
+                path += ", replayed in token-count graphs"
             ctx.rows.append(
                 row(
                     NAME,

@@ -1,5 +1,6 @@
 """Device graphs: the graph API a plugin supplies and the runner that captures/replays steps."""
 
+from .buckets import captures_extend, default_extend_tokens
 from .collector import collector_paused
 from .device_graph import DeviceGraph, EagerGraph
 from .runner import GraphCaptureError, GraphRunner, StepFn, captured_modes, default_bucket_sizes
@@ -14,7 +15,9 @@ __all__ = [
     "StreamGraph",
     "StepFn",
     "captured_modes",
+    "captures_extend",
     "collector_paused",
     "default_bucket_sizes",
+    "default_extend_tokens",
     "torch_pool_ops",
 ]

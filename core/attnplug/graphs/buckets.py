@@ -1,9 +1,12 @@
 """Which captured graph serves a step.
 
-The modes a ``GraphRunner`` can capture (one q_len per request: ``captured_modes``), the bucket
-sizes it captures by default (``default_bucket_sizes``), why it never captures a mode
-(``why_not_captured``), and the per-mode table from batch size to the smallest captured bucket
-that holds it (``build_routes``), so that a step finds its graph with one index (``route``).
+The modes a ``GraphRunner`` captures per batch-size bucket (one q_len per request:
+``captured_modes``) and whether it can capture EXTEND steps per token-count bucket
+(``captures_extend``: a backend at ``GraphSupport.ALWAYS``), the bucket sizes it captures by
+default (``default_bucket_sizes``, ``default_extend_tokens``), why it never captures a mode
+(``why_not_captured``), and the per-mode table from batch size (EXTEND: token count) to the
+smallest captured bucket that holds it (``build_routes``), so that a step finds its graph with
+one index (``route``).
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ __all__ = [
     "Routes",
     "build_routes",
     "captured_modes",
+    "captures_extend",
     "default_bucket_sizes",
+    "default_extend_tokens",
     "key_name",
     "route",
     "why_not_captured",
 ]
 
-#: a captured graph's key: (mode, bucket size)
+#: a captured graph's key: (mode, bucket size); an EXTEND bucket is a token count
 GraphKey = Tuple[ForwardMode, int]
 
-#: mode -> (num_draft_tokens the graphs need or None, [bs] -> graph or None); a graph is the
-#: runner's ``capture.Captured``
-Routes = Dict[ForwardMode, Tuple[Optional[int], List[Any]]]
+#: mode -> (num_draft_tokens the graphs need or None, [bs] -> graph or None (EXTEND: [tokens] ->
+#: graph or None), the most requests a graph of the mode holds); a graph is the runner's
+#: ``capture.Captured``
+Routes = Dict[ForwardMode, Tuple[Optional[int], List[Any], int]]
 
 #: the modes a runner can capture: one graph per bucket fixes the tokens per request
 _RUNNER_MODES = GraphSupport.UNIFORM.modes
@@ -39,6 +45,25 @@ def captured_modes(support: GraphSupport) -> Tuple[ForwardMode, ...]:
     """The modes a ``GraphRunner`` captures for a backend of this level: those of
     ``support.modes`` (core's ``GRAPH_MODES`` table) with one q_len per request."""
     return tuple(m for m in support.modes if m in _RUNNER_MODES)
+
+
+def captures_extend(support: GraphSupport) -> bool:
+    """Whether a ``GraphRunner`` can capture EXTEND steps of a backend of this level (one graph
+    per token-count bucket: the backend takes every length from device tensors)."""
+    return ForwardMode.EXTEND in support.modes
+
+
+def default_extend_tokens(max_tokens: int) -> Tuple[int, ...]:
+    """Token-count buckets of EXTEND graphs up to ``max_tokens``: powers of two from 256 (or
+    from ``max_tokens`` when smaller), ending at ``max_tokens``. A step pads to the next bucket,
+    so its padding stays under half of it."""
+    sizes = []
+    b = 256
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_tokens)
+    return tuple(sizes)
 
 
 def default_bucket_sizes(max_bs: int) -> Tuple[int, ...]:
@@ -53,17 +78,31 @@ def default_bucket_sizes(max_bs: int) -> Tuple[int, ...]:
 
 
 def key_name(key: GraphKey) -> str:
-    """``"MODE/bs=N"``."""
-    return f"{key[0].name}/bs={key[1]}"
+    """``"MODE/bs=N"`` (EXTEND: ``"EXTEND/tokens=N"``)."""
+    return f"{key[0].name}/{'tokens' if key[0] is ForwardMode.EXTEND else 'bs'}={key[1]}"
 
 
 def why_not_captured(
-    mode: ForwardMode, backend: AttentionBackend, supported: Tuple[ForwardMode, ...], wanted: Tuple[ForwardMode, ...]
+    mode: ForwardMode,
+    backend: AttentionBackend,
+    supported: Tuple[ForwardMode, ...],
+    wanted: Tuple[ForwardMode, ...],
+    extend_tokens: Optional[Sequence[int]] = None,
 ) -> str:
-    """Why a runner over ``backend`` never captures ``mode`` (one sentence)."""
+    """Why a runner over ``backend`` (built with ``extend_tokens``) never captures ``mode`` (one
+    sentence)."""
     graphs = backend.capabilities().graphs.name
     if not supported:
         return f"backend {backend.name!r} declares graphs=NEVER"
+    if mode is ForwardMode.EXTEND and captures_extend(backend.capabilities().graphs):
+        if extend_tokens:
+            return f"not in the runner's modes {[m.name for m in wanted]}"
+        return "the runner was built without extend_tokens (the token counts of its EXTEND graphs)"
+    if mode is ForwardMode.EXTEND:
+        return (
+            f"backend {backend.name!r} declares graphs={graphs}: EXTEND steps are captured only by a backend "
+            "at ALWAYS (lengths read from device tensors inside a graph)"
+        )
     if mode not in _RUNNER_MODES:
         return (
             "GraphRunner captures only modes with the same number of new tokens per request "
@@ -77,18 +116,24 @@ def why_not_captured(
 
 
 def build_routes(
-    graphs: Mapping[GraphKey, Any], modes: Sequence[ForwardMode], max_bs: int, num_draft_tokens: Optional[int]
+    graphs: Mapping[GraphKey, Any],
+    modes: Sequence[ForwardMode],
+    max_bs: int,
+    num_draft_tokens: Optional[int],
+    max_extend_tokens: int = 0,
 ) -> Routes:
-    """Per mode of ``modes``, a table from batch size to the graph of the smallest captured
-    bucket that holds it (None: no graph)."""
+    """Per mode of ``modes``, a table from batch size (EXTEND: token count, up to
+    ``max_extend_tokens``) to the graph of the smallest captured bucket that holds it (None: no
+    graph)."""
     routes = {}
     for mode in modes:
         sizes = sorted(b for (m, b) in graphs if m is mode)
-        table: List[Any] = [None] * (max_bs + 1)
-        for bs in range(1, max_bs + 1):
-            bucket = next((b for b in sizes if b >= bs), None)
-            table[bs] = None if bucket is None else graphs[(mode, bucket)]
-        routes[mode] = (num_draft_tokens if mode.is_speculative else None, table)
+        top = max_extend_tokens if mode is ForwardMode.EXTEND else max_bs
+        table: List[Any] = [None] * (top + 1)
+        for n in range(1, top + 1):
+            bucket = next((b for b in sizes if b >= n), None)
+            table[n] = None if bucket is None else graphs[(mode, bucket)]
+        routes[mode] = (num_draft_tokens if mode.is_speculative else None, table, max_bs)
     return routes
 
 
@@ -97,8 +142,9 @@ def route(routes: Routes, batch: ForwardBatch) -> Any:
     found = routes.get(batch.forward_mode)
     if found is None:
         return None
-    ndt, table = found
+    ndt, table, max_bs = found
     bs = batch.batch_size
-    if bs >= len(table) or (ndt is not None and batch.num_draft_tokens != ndt):
+    n = batch.num_tokens if batch.forward_mode is ForwardMode.EXTEND else bs
+    if bs > max_bs or n >= len(table) or (ndt is not None and batch.num_draft_tokens != ndt):
         return None
-    return table[bs]
+    return table[n]

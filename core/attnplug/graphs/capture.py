@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Mapping
+from typing import Callable, Dict, Mapping, Optional
 
 import torch
 
@@ -67,14 +67,17 @@ def capture_bucket(
     step: Callable[[ForwardBatch, Dict[str, torch.Tensor]], torch.Tensor],
     batch: ForwardBatch,
     views: Dict[str, torch.Tensor],
+    rows: Optional[int] = None,
 ) -> Captured:
     """Capture ``step(batch, views)`` through a new device graph of ``backend``; raises when
-    the capture does, or when the step returns fewer rows than the batch has tokens."""
+    the capture does, or when the step returns fewer than ``rows`` rows (default: the batch's
+    tokens)."""
     backend.init_forward_metadata_capture_cuda_graph(batch)
     graph = backend.new_graph()
     # The callable holds the step, the batch and the views, never the runner (no cycle).
     output = graph.capture(functools.partial(step, batch, views))
-    if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] < batch.num_tokens:
+    rows = batch.num_tokens if rows is None else rows
+    if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] < rows:
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise ValueError(f"the step must return a tensor of >= {batch.num_tokens} rows, got {got}")
+        raise ValueError(f"the step must return a tensor of >= {rows} rows, got {got}")
     return Captured(graph, batch, output)

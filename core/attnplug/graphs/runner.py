@@ -1,4 +1,5 @@
-"""Graph runner: one captured graph per (mode, batch-size bucket), replayed with padding.
+"""Graph runner: one captured graph per (mode, batch-size bucket), replayed with padding; with
+``extend_tokens``, one per EXTEND token-count bucket too.
 
 The runner owns the static input buffers of a step (``req_pool_indices``, ``seq_lens``,
 ``out_cache_loc``, ``positions`` and the per-token model inputs), captures ``step(batch,
@@ -20,6 +21,18 @@ Steps 1-2 are ``prepare(batch, inputs)`` (all host work of a replay), step 3 is 
 
 A step that no graph covers (mode not captured, more requests than the largest bucket)
 runs eagerly: ``init_forward_metadata`` (which translates once) and ``step``.
+
+EXTEND steps (prefill chunks: any number of new tokens a request) are captured per token-count
+bucket when the runner is built with ``extend_tokens`` and the backend declares
+``GraphSupport.ALWAYS`` (its metadata and kernels read every length from device tensors inside
+a graph). An EXTEND graph holds ``max_bs`` requests and its bucket's ``T_b`` tokens; a step of
+``bs <= max_bs`` requests and ``T <= T_b`` tokens replays the smallest bucket that holds ``T``:
+its ``extend_seq_lens`` are copied into a static buffer, the padded requests get row 0, the fill
+value and no new token (``extend_seq_lens = 0``), and the padded tokens ``T..T_b`` belong to no
+request (slot 0, position 0, zero inputs: they are stored to the sink and attend to nothing).
+``extend_rows`` says what the step returns a row of: ``"tokens"`` (``replay`` returns the first
+``T`` rows) or ``"requests"`` (a model's last-token logits: the first ``bs`` rows). The runner
+copies EXTEND steps itself (``copies_replay_batch`` covers the uniform modes).
 
 A step of a mode the runner captures must fit the captured buffers, whether it would replay or
 run eagerly (its acceptance never depends on its batch size): ``positions`` given (the graphs
@@ -102,7 +115,10 @@ class GraphRunner(StaticBuffers):
 
     ``inputs`` maps each per-token model input to its per-token shape and dtype, e.g.
     ``{"q": ((L, H, D), torch.bfloat16)}``; the static buffer is ``[max_num_tokens, *shape]``.
-    ``num_draft_tokens`` enables TARGET_VERIFY / DRAFT_EXTEND capture (q_len per request).
+    ``num_draft_tokens`` enables TARGET_VERIFY / DRAFT_EXTEND capture (q_len per request);
+    ``extend_tokens`` (strictly increasing token counts) EXTEND capture, one graph per count,
+    for a backend at ``GraphSupport.ALWAYS``; ``extend_rows``: ``"tokens"`` or ``"requests"``,
+    what an EXTEND step's output has a row of (module docstring).
     """
 
     def __init__(
@@ -115,27 +131,38 @@ class GraphRunner(StaticBuffers):
         num_draft_tokens: Optional[int] = None,
         bucket_sizes: Optional[Sequence[int]] = None,
         modes: Optional[Sequence[ForwardMode]] = None,
+        extend_tokens: Optional[Sequence[int]] = None,
+        extend_rows: str = "tokens",
     ) -> None:
-        max_bs, inputs, num_draft_tokens, bucket_sizes, modes = check_runner_args(
-            backend, step, max_bs, inputs, num_draft_tokens, bucket_sizes, modes
+        max_bs, inputs, num_draft_tokens, bucket_sizes, modes, extend_tokens = check_runner_args(
+            backend, step, max_bs, inputs, num_draft_tokens, bucket_sizes, modes, extend_tokens, extend_rows
         )
         check_graph_state_free(backend)
         self.backend = backend
         self.step = step
         self.num_draft_tokens = num_draft_tokens
         self.bucket_sizes = bucket_sizes or default_bucket_sizes(max_bs)
+        #: EXTEND token-count buckets (None: EXTEND steps run eagerly) and what their output rows are
+        self.extend_tokens = extend_tokens
+        self.extend_rows = extend_rows
         supported = captured_modes(backend.capabilities().graphs)
-        wanted = modes if modes is not None else supported
-        self.modes = tuple(m for m in wanted if m is ForwardMode.DECODE or num_draft_tokens)
+        wanted = modes if modes is not None else supported + ((ForwardMode.EXTEND,) if extend_tokens else ())
+        self.modes = tuple(
+            m
+            for m in wanted
+            if m is ForwardMode.DECODE or (m.is_speculative and num_draft_tokens) or (m is ForwardMode.EXTEND)
+        )
         #: mode -> why the runner never replays it (every step of that mode runs eagerly)
         self.not_captured: Dict[ForwardMode, str] = {
-            m: why_not_captured(m, backend, supported, wanted) for m in ForwardMode if m not in self.modes
+            m: why_not_captured(m, backend, supported, wanted, extend_tokens)
+            for m in ForwardMode
+            if m not in self.modes
         }
         if not supported:
             logger.warning("GraphRunner(%s): the backend declares graphs=NEVER: every step runs eagerly", backend.name)
         self.max_bs = max_bs
         q_max = max([1] + [num_draft_tokens or 1 for m in self.modes if m.is_speculative])
-        self.max_num_tokens = max_bs * q_max
+        self.max_num_tokens = max(max_bs * q_max, max(extend_tokens or (0,)))
 
         fill_value = int(backend.get_cuda_graph_seq_len_fill_value())
         self.needs_cpu_seq_lens = decide_needs_cpu_seq_lens([backend])
@@ -168,6 +195,20 @@ class GraphRunner(StaticBuffers):
         return 1 if mode is ForwardMode.DECODE else int(self.num_draft_tokens)
 
     def _static_batch(self, mode: ForwardMode, bs: int) -> ForwardBatch:
+        """The padded static batch of bucket ``bs`` (EXTEND: ``max_bs`` requests and ``bs``
+        tokens, the lengths in the static ``extend_seq_lens``)."""
+        if mode is ForwardMode.EXTEND:
+            return ForwardBatch(
+                forward_mode=mode,
+                batch_size=self.max_bs,
+                req_pool_indices=self.req_pool_indices,
+                seq_lens=self.seq_lens,
+                out_cache_loc=self.out_cache_loc[:bs],
+                positions=self.positions[:bs],
+                seq_lens_cpu=[self.fill_value] * self.max_bs if self.needs_cpu_seq_lens else None,
+                extend_seq_lens=self.extend_seq_lens,
+                validate=False,  # padding: requests without tokens, tokens without a request
+            )
         n = bs * self._q_len(mode)
         return ForwardBatch(
             forward_mode=mode,
@@ -195,7 +236,7 @@ class GraphRunner(StaticBuffers):
         self._reset_padding()
         with collector.collector_paused(collect=False):  # device graphs collect once, before their first capture
             for mode in self.modes:
-                for bs in reversed(self.bucket_sizes):
+                for bs in reversed(self.extend_tokens if mode is ForwardMode.EXTEND else self.bucket_sizes):
                     key = (mode, bs)
                     self.graphs.pop(key, None)
                     self.capture_failures.pop(key, None)
@@ -220,7 +261,14 @@ class GraphRunner(StaticBuffers):
     def _capture_bucket(self, mode: ForwardMode, bs: int) -> Captured:
         batch = self._static_batch(mode, bs)
         views = {name: buf[: batch.num_tokens] for name, buf in self.inputs.items()}
-        return capture_bucket(self.backend, self.step, batch, views)
+        return capture_bucket(self.backend, self.step, batch, views, rows=self._rows(batch))
+
+    def _rows(self, batch: ForwardBatch) -> int:
+        """The output rows of ``batch`` the step returns (its tokens; an EXTEND step's requests
+        with ``extend_rows="requests"``)."""
+        if batch.forward_mode is ForwardMode.EXTEND and self.extend_rows == "requests":
+            return batch.batch_size
+        return batch.num_tokens
 
     def _record_failure(self, key: GraphKey, exc: BaseException) -> None:
         reason = describe_failure(exc)
@@ -260,16 +308,21 @@ class GraphRunner(StaticBuffers):
     def _build_routes(self) -> None:
         """Per captured mode, a table from batch size to the smallest captured bucket that
         holds it (None: no graph), so a step finds its graph with one index."""
-        self._routes = build_routes(self.graphs, self.modes, self.max_bs, self.num_draft_tokens)
+        self._routes = build_routes(
+            self.graphs, self.modes, self.max_bs, self.num_draft_tokens, max(self.extend_tokens or (0,))
+        )
 
     def _route(self, batch: ForwardBatch) -> Optional[Captured]:
         """The graph that replays ``batch`` (host values only), or None (eager)."""
         return route(self._routes, batch)
 
     def bucket_for(self, batch: ForwardBatch) -> Optional[int]:
-        """The smallest captured bucket that holds ``batch``, or None (eager)."""
+        """The smallest captured bucket that holds ``batch`` (EXTEND: its token count), or None
+        (eager)."""
         captured = self._route(batch)
-        return None if captured is None else captured.batch.batch_size
+        if captured is None:
+            return None
+        return captured.batch.num_tokens if batch.forward_mode is ForwardMode.EXTEND else captured.batch.batch_size
 
     def why_eager(self, batch: ForwardBatch) -> Optional[str]:
         """Why ``run(batch)`` would run eagerly now, or None when it replays a graph (host
@@ -299,6 +352,15 @@ class GraphRunner(StaticBuffers):
         if not captured:
             failed = {key_name(k): r for k, r in self.capture_failures.items() if k[0] is mode}
             return "capture-failed", f"every {mode.name} capture failed: {failed}"
+        if mode is ForwardMode.EXTEND:
+            if batch.batch_size > self.max_bs:
+                return "too-large", f"batch_size {batch.batch_size} exceeds max_bs={self.max_bs} of the EXTEND graphs"
+            failed = sorted(b for (m, b) in self.capture_failures if m is mode and b >= batch.num_tokens)
+            extra = f" (the capture of buckets {failed} failed)" if failed else ""
+            return "too-large", (
+                f"{batch.num_tokens} tokens exceed the largest captured EXTEND bucket {max(captured)} "
+                f"(extend_tokens={list(self.extend_tokens)}){extra}"
+            )
         failed = sorted(b for (m, b) in self.capture_failures if m is mode and b >= batch.batch_size)
         extra = f" (the capture of buckets {failed} failed)" if failed else ""
         return "too-large", (
@@ -362,16 +424,17 @@ class GraphRunner(StaticBuffers):
         static = captured.batch
         n = batch.num_tokens
         self._use_own_graph_state()
-        if self.backend_copies_batch:
+        backend_copies = self.backend_copies_batch and mode is not ForwardMode.EXTEND
+        if backend_copies:
             self._copy_inputs(inputs, n)
         else:
             self._copy_batch(batch, inputs, n)
         if self.needs_cpu_seq_lens:
             static = with_seq_lens_cpu(static, batch, static.batch_size, self.fill_value)
-        if self.backend_copies_batch:
+        if backend_copies:
             self.backend.set_replay_source(batch, static)
         self.backend.init_forward_metadata_replay_cuda_graph(static)
-        self._prepared = (captured, n)
+        self._prepared = (captured, self._rows(batch))
         return True
 
     def replay(self) -> torch.Tensor:

@@ -6,8 +6,10 @@ capture as given (nothing is coerced, sorted, deduplicated or dropped silently):
 not an ``AttentionBackend``, ``step`` not callable, ``max_bs`` / ``num_draft_tokens`` not
 positive ints, ``bucket_sizes`` empty, not strictly increasing or outside ``1..max_bs``,
 ``modes`` empty, repeated, not ``ForwardMode`` values, or modes the backend cannot capture (or
-speculative ones without ``num_draft_tokens``), and ``inputs`` that are not
-``name -> (per-token shape, dtype)``. It runs before the backend's ``init_cuda_graph_state``, so
+speculative ones without ``num_draft_tokens``, EXTEND without ``extend_tokens``),
+``extend_tokens`` empty, not strictly increasing or given for a backend below
+``GraphSupport.ALWAYS``, ``extend_rows`` neither ``"tokens"`` nor ``"requests"``, and ``inputs``
+that are not ``name -> (per-token shape, dtype)``. It runs before the backend's ``init_cuda_graph_state``, so
 a refused runner leaves the backend as it was.
 
 Graph state ownership (``claim_graph_state``): a captured graph reads its buffers at fixed
@@ -29,7 +31,7 @@ import torch
 from ..backend import AttentionBackend
 from ..batch import ForwardMode
 from ..memory.args import host_int
-from .buckets import captured_modes
+from .buckets import captured_modes, captures_extend
 
 __all__ = ["check_graph_state_free", "check_runner_args", "claim_graph_state", "owns_graph_states"]
 
@@ -62,7 +64,32 @@ def _bucket_sizes(bucket_sizes: Any, max_bs: int) -> Optional[Tuple[int, ...]]:
     return tuple(sizes)
 
 
-def _modes(modes: Any, backend: AttentionBackend, num_draft_tokens: Optional[int]) -> Optional[Tuple[ForwardMode, ...]]:
+def _extend_tokens(extend_tokens: Any, backend: AttentionBackend) -> Optional[Tuple[int, ...]]:
+    if extend_tokens is None:
+        return None
+    if isinstance(extend_tokens, (str, bytes, Mapping, set, frozenset)):
+        raise ValueError(f"extend_tokens must be a sequence of ints, got {extend_tokens!r}")
+    try:
+        given = list(extend_tokens)
+    except TypeError:
+        raise ValueError(f"extend_tokens must be a sequence of ints, got {extend_tokens!r}") from None
+    sizes = [_ints(b, "extend_tokens entry", 1) for b in given]
+    if not sizes:
+        raise ValueError("extend_tokens must list at least one token count, got [] (None: EXTEND steps run eagerly)")
+    if any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"extend_tokens must be strictly increasing (no repeats), got {sizes}")
+    graphs = backend.capabilities().graphs
+    if not captures_extend(graphs):
+        raise ValueError(
+            f"extend_tokens given, but backend {backend.name!r} cannot capture EXTEND steps (graphs={graphs.name}; "
+            "ALWAYS is needed: lengths read from device tensors inside a graph)"
+        )
+    return tuple(sizes)
+
+
+def _modes(
+    modes: Any, backend: AttentionBackend, num_draft_tokens: Optional[int], extend_tokens: Optional[Tuple[int, ...]]
+) -> Optional[Tuple[ForwardMode, ...]]:
     if modes is None:
         return None
     if isinstance(modes, (str, bytes, Mapping, ForwardMode)):
@@ -79,7 +106,7 @@ def _modes(modes: Any, backend: AttentionBackend, num_draft_tokens: Optional[int
     if len(set(wanted)) != len(wanted):
         raise ValueError(f"modes must not repeat a mode, got {[m.name for m in wanted]}")
     graphs = backend.capabilities().graphs
-    supported = captured_modes(graphs)
+    supported = captured_modes(graphs) + ((ForwardMode.EXTEND,) if captures_extend(graphs) else ())
     unsupported = [m.name for m in wanted if m not in supported]
     if unsupported:
         raise ValueError(f"backend {backend.name!r} cannot capture {unsupported} (graphs={graphs.name})")
@@ -87,6 +114,8 @@ def _modes(modes: Any, backend: AttentionBackend, num_draft_tokens: Optional[int
         raise ValueError(
             f"modes {[m.name for m in wanted if m.is_speculative]} need num_draft_tokens (the q_len of every request)"
         )
+    if extend_tokens is None and ForwardMode.EXTEND in wanted:
+        raise ValueError("mode EXTEND needs extend_tokens (the token counts of its graphs)")
     return wanted
 
 
@@ -117,9 +146,12 @@ def check_runner_args(
     num_draft_tokens: Any,
     bucket_sizes: Any,
     modes: Any,
-) -> Tuple[int, Dict[str, Tuple[Tuple[int, ...], torch.dtype]], Optional[int], Optional[Tuple[int, ...]], Any]:
-    """``(max_bs, inputs, num_draft_tokens, bucket_sizes, modes)`` checked and normalised (see
-    the module docstring); raises ``ValueError`` naming the argument and the value."""
+    extend_tokens: Any = None,
+    extend_rows: Any = "tokens",
+) -> Tuple[int, Dict[str, Tuple[Tuple[int, ...], torch.dtype]], Optional[int], Optional[Tuple[int, ...]], Any, Any]:
+    """``(max_bs, inputs, num_draft_tokens, bucket_sizes, modes, extend_tokens)`` checked and
+    normalised (see the module docstring); raises ``ValueError`` naming the argument and the
+    value."""
     if not isinstance(backend, AttentionBackend):
         raise ValueError(f"backend must be an AttentionBackend, got {type(backend).__name__}")
     if not callable(step):
@@ -128,7 +160,10 @@ def check_runner_args(
     if num_draft_tokens is not None:
         num_draft_tokens = _ints(num_draft_tokens, "num_draft_tokens", 1)
     sizes = _bucket_sizes(bucket_sizes, max_bs)
-    return max_bs, _inputs(inputs), num_draft_tokens, sizes, _modes(modes, backend, num_draft_tokens)
+    if extend_rows not in ("tokens", "requests"):
+        raise ValueError(f"extend_rows must be 'tokens' or 'requests', got {extend_rows!r}")
+    extend = _extend_tokens(extend_tokens, backend)
+    return max_bs, _inputs(inputs), num_draft_tokens, sizes, _modes(modes, backend, num_draft_tokens, extend), extend
 
 
 def owns_graph_states(backend: AttentionBackend) -> bool:

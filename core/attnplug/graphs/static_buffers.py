@@ -6,8 +6,9 @@ as few device operations as it can: one grouped copy of the step into the static
 (``torch._foreach_copy_``), a padding fill only when rows the graph reads may still hold an
 earlier, larger step's values (the buffers track how far each one holds real rather than
 padding values; ``_reset_padding`` resets them all to padding), and views cached per size.
-Padding: ``req_pool_indices`` 0, ``seq_lens`` the backend's fill value, ``out_cache_loc`` 0
-(slot 0, the sink), position 0 and zero inputs.
+Padding: ``req_pool_indices`` 0, ``seq_lens`` the backend's fill value, ``extend_seq_lens`` 0
+(EXTEND graphs: a padded request has no new token), ``out_cache_loc`` 0 (slot 0, the sink),
+position 0 and zero inputs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class StaticBuffers:
         self.fill_value = fill_value
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((max_bs,), self.fill_value, dtype=torch.int64, device=dev)
+        self.extend_seq_lens = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # EXTEND graphs
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.inputs = {
@@ -69,6 +71,7 @@ class StaticBuffers:
         self._request_views: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._token_views: Dict[int, Tuple[torch.Tensor, ...]] = {}  # (out_cache_loc, positions, *inputs)
         self._dirty_requests = 0  # req_pool_indices, seq_lens
+        self._dirty_extend = 0  # extend_seq_lens
         self._dirty_tokens = 0  # out_cache_loc and the inputs
         self._dirty_positions = 0
         self._grouped_copy = True  # torch._foreach_copy_ works here (cleared on first failure)
@@ -97,8 +100,16 @@ class StaticBuffers:
         if batch.positions is not None:
             dst.append(tok[1])
             src.append(batch.positions)
+        extend = batch.forward_mode is ForwardMode.EXTEND
+        if extend:
+            dst.append(self.extend_seq_lens[:bs])
+            src.append(batch.extend_seq_lens)
         self._add_inputs(dst, src, inputs, tok, n)
         self._copy_all(dst, src)
+        if extend:
+            if self._dirty_extend > bs:
+                self.extend_seq_lens[bs : self._dirty_extend].zero_()
+            self._dirty_extend = bs
         if self._dirty_requests > bs:
             self.req_pool_indices[bs : self._dirty_requests].zero_()
             self.seq_lens[bs : self._dirty_requests].fill_(self.fill_value)
@@ -148,6 +159,9 @@ class StaticBuffers:
             )
         except (AttributeError, IndexError, TypeError):
             fits = False
+        if fits and batch.forward_mode is ForwardMode.EXTEND:
+            ext = batch.extend_seq_lens
+            fits = isinstance(ext, torch.Tensor) and ext.shape == (bs,) and (ext.dtype, ext.device) in self._index_sigs
         if not fits:
             self._explain_step(batch)
         if self.needs_cpu_seq_lens:
@@ -193,6 +207,18 @@ class StaticBuffers:
                 raise ValueError(
                     f"batch.{name} is {t.dtype} on {t.device}; the captured buffer takes "
                     f"{' or '.join(map(str, dtypes))} on {device} (never cast or moved silently)"
+                )
+        if mode is ForwardMode.EXTEND:
+            ext = batch.extend_seq_lens
+            if not isinstance(ext, torch.Tensor) or ext.shape != (bs,):
+                raise ValueError(
+                    f"batch.extend_seq_lens is {_describe(ext)}; a captured EXTEND step takes [{bs}] "
+                    "(the new tokens of each request, on the device)"
+                )
+            if ext.dtype not in _INDEX or ext.device != device:
+                raise ValueError(
+                    f"batch.extend_seq_lens is {ext.dtype} on {ext.device}; the captured buffer takes "
+                    f"{' or '.join(map(str, _INDEX))} on {device} (never cast or moved silently)"
                 )
         raise ValueError(f"the batch does not fit the captured buffers: {batch!r}")  # not reached
 
@@ -301,11 +327,12 @@ class StaticBuffers:
         """Every static buffer back to padding values (capture runs on padding only)."""
         self.req_pool_indices.zero_()
         self.seq_lens.fill_(self.fill_value)
+        self.extend_seq_lens.zero_()
         self.out_cache_loc.zero_()
         self.positions.zero_()
         for buf in self.inputs.values():
             buf.zero_()
-        self._dirty_requests = self._dirty_tokens = self._dirty_positions = 0
+        self._dirty_requests = self._dirty_extend = self._dirty_tokens = self._dirty_positions = 0
 
 
 def with_seq_lens_cpu(static: ForwardBatch, batch: ForwardBatch, bucket: int, fill: int) -> ForwardBatch:

@@ -34,7 +34,11 @@ ROCm) the constructor refuses the pool, saying why.
 Graph mode keeps every buffer static (``init_cuda_graph_state``: a new graph state per call,
 owned by the ``GraphRunner`` that made it and switched back to with ``set_cuda_graph_state``);
 replay preparation is one launch on device tensors and reads nothing back
-(``needs_cpu_seq_lens = False``).
+(``needs_cpu_seq_lens = False``). EXTEND steps are captured too (``GraphSupport.ALWAYS``): a
+captured EXTEND step of ``bs`` requests and up to ``T`` tokens (``StepTables.view_extend``) is
+planned for one request holding all ``T`` (``plan_step``'s ``tile_map``), and its metadata
+launch also writes the tile map ``paged_attention`` runs over, so its grid never depends on the
+lengths of a replay and holds no program for rows no request has.
 
 Choices (``tuning.CudaTuning``, ``CudaTuning.from_env()`` by default):
 ``ATTNPLUG_DISABLE_PDL=1`` launches without PDL; ``ATTNPLUG_KV_STORE=cpp`` stores K/V with the
@@ -205,7 +209,7 @@ class TritonBackend(AttentionBackend):
             device_type=cls.device_part.device_type,
             needs_cpu_seq_lens=cls.needs_cpu_seq_lens,
             pdl=part.declares_pdl,
-            graphs=GraphSupport.UNIFORM,
+            graphs=GraphSupport.ALWAYS,
             dtypes=(torch.float16, torch.bfloat16),
             head_dims=(64, 128, 256),
             page_sizes=(1, 2, 4, 8, 16, 32, 64),
@@ -222,8 +226,8 @@ class TritonBackend(AttentionBackend):
         return self.installed_capabilities().for_instance(device_type=self.device.type, pdl=self.pdl)
 
     # ------------------------------------------------------------------ metadata
-    def _plan(self, bs: int, num_tokens: int, max_q_len: int):
-        return plan_step(self.shape, bs, num_tokens, max_q_len, self.tuning, self.pdl)
+    def _plan(self, bs: int, num_tokens: int, max_q_len: int, tile_map: bool = False):
+        return plan_step(self.shape, bs, num_tokens, max_q_len, self.tuning, self.pdl, tile_map)
 
     def _fill(self, batch: ForwardBatch, t: StepTables, padded=None):
         """The step's ONE metadata launch, writing into ``t``'s tensors (and, with
@@ -247,6 +251,9 @@ class TritonBackend(AttentionBackend):
             positions=batch.positions if padded is not None else None,
             padded=padded,
             fill_value=self.get_cuda_graph_seq_len_fill_value(),
+            tiles=t.tiles,
+            tile_rows=t.plan.full.kernel.BLOCK_M if t.tiles is not None else 16,
+            group=self.shape.group,
         )
 
     @staticmethod
@@ -307,16 +314,23 @@ class TritonBackend(AttentionBackend):
         self._table_rows, self._tickets = state.shared["table_rows"], state.shared["tickets"]
 
     def _graph_views(self, batch: ForwardBatch) -> StepTables:
+        """The tables of a captured step: a uniform ``(bs, q_len)`` bucket, or an EXTEND step of
+        ``bs`` requests and up to ``num_tokens`` tokens (lengths from the device, the grid a tile
+        map: ``planner.plan_step``'s ``tile_map``)."""
         if self._graph_buffers is None:
             raise RuntimeError("init_cuda_graph_state() must run before capture or replay")
-        if batch.q_len is None:
-            raise ValueError(f"{batch.forward_mode.name} steps are not captured by the {self.name} backend (UNIFORM)")
-        key = (batch.batch_size, batch.q_len)
+        bs, n, q = batch.batch_size, batch.num_tokens, batch.q_len
+        if q is None and batch.extend_seq_lens is None:
+            raise ValueError(f"a captured {batch.forward_mode.name} step needs extend_seq_lens (a tensor)")
+        key = (bs, q) if q is not None else ("extend", bs, n)
         t = self._graph_tables.get(key)
         if t is None:
-            bs, q = key
-            plan = self._plan(bs, batch.num_tokens, q)
-            t = self._graph_tables[key] = StepTables.view(plan, self.shape, self._graph_buffers, bs, q)
+            if q is not None:
+                t = StepTables.view(self._plan(bs, n, q), self.shape, self._graph_buffers, bs, q)
+            else:
+                plan = self._plan(bs, n, n, tile_map=True)
+                t = StepTables.view_extend(plan, self.shape, self._graph_buffers, bs, n)
+            self._graph_tables[key] = t
         return t
 
     @staticmethod
@@ -453,7 +467,7 @@ class TritonBackend(AttentionBackend):
             )
         new = self._new_rows.of(k, v, loc) if loc is not None else None
         return self._paged_attention(
-            q, k_cache, v_cache, out, inputs, layer.kernel, new=new, workspace=t.workspace, pdl=pdl
+            q, k_cache, v_cache, out, inputs, layer.kernel, new=new, workspace=t.workspace, pdl=pdl, tiles=t.tiles
         )
 
 

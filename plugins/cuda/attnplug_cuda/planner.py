@@ -135,7 +135,8 @@ class LaunchShape(NamedTuple):
     new tokens, up to ``max_q_len`` of them a request, ``num_kv_heads`` kv heads of ``group``
     q heads each, ``head_dim``, ``max_kv_len`` (a host bound of the keys a request reads: the
     key table's width), the ``window`` (None: a full layer), the device's ``num_sms``, whether
-    the cache stores FP8 (``kv_fp8``: its keys are half the bytes)."""
+    the cache stores FP8 (``kv_fp8``: its keys are half the bytes), whether the grid is a tile
+    map written on the device (``tile_map``: a captured EXTEND step, ``plan_step``)."""
 
     num_reqs: int
     num_tokens: int
@@ -147,6 +148,7 @@ class LaunchShape(NamedTuple):
     window: Optional[int]
     num_sms: int
     kv_fp8: bool = False
+    tile_map: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,17 +205,30 @@ def one_launch_serves(num_reqs: int, num_kv_heads: int, max_q_len: int, group: i
 
 @functools.lru_cache(maxsize=4096)
 def plan_step(
-    shape: AttentionShape, num_reqs: int, num_tokens: int, max_q_len: int, tuning: CudaTuning, pdl: bool
+    shape: AttentionShape,
+    num_reqs: int,
+    num_tokens: int,
+    max_q_len: int,
+    tuning: CudaTuning,
+    pdl: bool,
+    tile_map: bool = False,
 ) -> StepPlan:
     """The plan of a step of ``num_reqs`` requests, ``num_tokens`` new tokens, up to
-    ``max_q_len`` of them a request (module docstring); ``pdl``: the backend launches with PDL."""
+    ``max_q_len`` of them a request (module docstring); ``pdl``: the backend launches with PDL.
+
+    ``tile_map``: an EXTEND step captured in a graph, whose lengths vary from replay to replay
+    within ``num_tokens`` (and ``max_q_len = num_tokens``): a KV store launch, then
+    ``paged_attention`` over the tile map the metadata launch writes (one program a request's
+    row block and kv head, never a program for rows no request has), unsplit."""
     s, t = shape, tuning
     kinds = [(None, s.max_context_len)]
     if s.window is not None:
         kinds.append((s.window, s.table_width(max_q_len)))
     one = t.one_launch and one_launch_serves(num_reqs, s.num_kv_heads, max_q_len, s.group, s.num_sms, t)
     rows = max(1, max_q_len) * s.group
-    if one:
+    if tile_map:
+        path = Path.TWO_LAUNCH
+    elif one:
         path = Path.ONE_LAUNCH
     elif t.paged_store and t.kv_store == "triton" and rows <= t.paged_store_rows:
         path = Path.PAGED_STORE
@@ -223,7 +238,7 @@ def plan_step(
     for window, max_kv_len in kinds:
         group, heads = s.group, s.num_kv_heads
         launch = LaunchShape(
-            num_reqs, num_tokens, heads, group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms, s.kv_fp8
+            num_reqs, num_tokens, heads, group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms, s.kv_fp8, tile_map
         )
         if path is Path.ONE_LAUNCH:
             kernel = plan_one_launch(launch, t)
@@ -243,7 +258,7 @@ def plan_step(
 def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     """``store_attend``'s plan: key blocks, warps, stages and KV splits for one launch shape."""
     t = tuning
-    num_reqs, _, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _ = shape
+    num_reqs, _, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _, _ = shape
     rows = _pow2(max(1, max_q_len) * group)
     block_d = _pow2(head_dim)
     span = max(1, max_kv_len)
@@ -349,7 +364,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     """``paged_attention``'s plan: tiles, warps, stages, KV splits, loop shape and prefetch
     depth for one launch shape."""
     t = tuning
-    num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _ = shape
+    num_reqs, num_tokens, num_kv_heads, group, head_dim, max_q_len, max_kv_len, window, num_sms, _, tile_map = shape
     block_d = _pow2(head_dim)
     rows = max(1, max_q_len) * group
     block_m = min(max(16, _pow2(rows)), 128)
@@ -381,7 +396,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     # already hold most of the work, and a split adds float32 partials and a combine launch
     # (docs/benchmarks.md, "Open": the 1,024-token prompt).
     target = (t.paged_programs_per_sm if block_m <= 16 else 1) * num_sms
-    if base < target:
+    if base < target and not tile_map:  # a tile map runs one split (its grid is the row blocks)
         splits = min(_cdiv(target, base), _cdiv(span, _split_keys(t.paged_split_keys, shape, t)), t.paged_max_splits)
         splits = max(1, min(splits, t.paged_split_tokens // max(1, num_tokens)))
     # The decode tiles send their first key block's cached K/V lines to L2 before a PDL

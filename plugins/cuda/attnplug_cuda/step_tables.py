@@ -2,7 +2,10 @@
 
 Eager steps get fresh tensors (``StepTables.allocate``); graph mode gets views of the static
 buffers that ``init_cuda_graph_state`` allocates once (``graph_buffers`` / ``StepTables.view``),
-one ``StepTables`` per captured ``(bs, q_len)`` bucket, whose addresses never change.
+one ``StepTables`` per captured ``(bs, q_len)`` bucket, whose addresses never change. A captured
+EXTEND step of up to ``T`` tokens (``StepTables.view_extend``) also reads a tile map and a
+window table as wide as ``T`` tokens of one request allow: buffers of the graph state sized
+for its largest EXTEND bucket (``extend_buffers``), allocated when that bucket is captured.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from attnplug.graph_buffers import GraphBuffers
 
 from .planner import AttentionShape, StepPlan
 
-__all__ = ["StepTables", "graph_buffers"]
+__all__ = ["StepTables", "extend_buffers", "graph_buffers"]
 
 
 @dataclass
@@ -32,6 +35,7 @@ class StepTables:
     swa_out_cache_loc: Optional[torch.Tensor]  # [T] int32 (graphs: the whole buffer): hoisted SWA slots
     swa_window_table: Optional[torch.Tensor]  # [bs, width] int32: SWA slots of the window
     workspace: Optional[torch.Tensor]  # fp32 split-KV scratch of paged_attention (graph mode: static)
+    tiles: Optional[torch.Tensor] = None  # [P, 2] int32: paged_attention's tile map (captured EXTEND)
     relaunch: Optional[object] = None  # graph mode: repeats the metadata launch (same buffers)
     relaunch_key: tuple = ()  # the batch tensors relaunch was built for
     # graph mode, copies from the engine's step: (step dtypes, positions given) ->
@@ -74,6 +78,46 @@ class StepTables:
             swa_window_table=table,
             workspace=buffers["workspace"],
         )
+
+    @classmethod
+    def view_extend(
+        cls, plan: StepPlan, shape: AttentionShape, buffers: GraphBuffers, bs: int, num_tokens: int
+    ) -> "StepTables":
+        """The tables of a captured EXTEND step of ``bs`` requests (padded ones have no tokens)
+        and up to ``num_tokens`` tokens, any request up to all of them: views of ``buffers``
+        and of its ``extend_buffers``."""
+        buffers.check_fits(bs, num_tokens)
+        rows = plan.full.kernel.BLOCK_M
+        tiles, table = extend_buffers(shape, buffers, bs, num_tokens, rows)
+        return cls(
+            plan=plan,
+            max_q_len=num_tokens,
+            cu_q_lens=buffers["cu_q_lens"][: bs + 1],
+            window_start=buffers["window_start"][:bs],
+            token_pos=buffers["token_pos"][:num_tokens],
+            swa_out_cache_loc=buffers.swa_out_cache_loc if shape.window is not None else None,
+            swa_window_table=table,
+            workspace=buffers["workspace"],
+            tiles=tiles,
+        )
+
+
+def extend_buffers(shape: AttentionShape, buffers: GraphBuffers, bs: int, num_tokens: int, rows: int):
+    """``(tiles [P, 2], window table [bs, width] or None)`` of a captured EXTEND step: views of
+    the graph state's ``extend_tiles`` / ``extend_window_table`` (``buffers.shared``), allocated
+    (or grown) here, before the capture that first needs them. ``P`` holds every request's row
+    blocks of ``rows`` rows: ``cdiv(num_tokens * G, rows) + bs``; ``width`` covers one request
+    holding all ``num_tokens`` tokens."""
+    count = -(-num_tokens * shape.group // rows) + bs
+    width = shape.table_width(num_tokens) if shape.window is not None else 0
+    need = {"extend_tiles": count * 2, "extend_window_table": bs * width}
+    for name, numel in need.items():
+        held = buffers.shared.get(name)
+        if numel and (held is None or held.numel() < numel):
+            buffers.shared[name] = torch.zeros(numel, dtype=torch.int32, device=buffers.device)
+    tiles = buffers.shared["extend_tiles"][: count * 2].view(count, 2)
+    table = buffers.shared["extend_window_table"][: bs * width].view(bs, width) if width else None
+    return tiles, table
 
 
 def graph_buffers(

@@ -10,8 +10,10 @@ The scheduler, between steps, on the host:
   never runs out of slots halfway, and a small SWA pool is reused as windows slide.
 * **Steps.** While some admitted request has prompt tokens left, the step is an EXTEND of up
   to ``max_prefill_tokens`` prompt tokens in all (long prompts are prefilled in chunks over
-  several steps); otherwise it is one batched DECODE step of every running request, replayed
-  through a ``GraphRunner`` when graphs are on.
+  several steps), replayed through a captured graph of the next token-count bucket when the
+  backend captures EXTEND steps (``GraphSupport.ALWAYS``) and graphs are on; otherwise it is
+  one batched DECODE step of every running request, replayed through a ``GraphRunner`` when
+  graphs are on.
 * **After each step.** Each request takes the argmax of its last token's logits when its
   prompt is done (an EXTEND step reads the device only then: one read for the tokens of the
   prompts it completes, none for a chunk that completes no prompt; its slots, table writes and
@@ -43,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from ...batch import ForwardBatch, ForwardMode
-from ...graphs import EagerGraph
+from ...graphs import EagerGraph, captures_extend, default_extend_tokens
 from ...memory.args import host_int
 from ..choice import BackendArg
 from .progress import Progress
@@ -169,7 +171,10 @@ class Engine:
     enough for ``max_batch_size`` requests of ``max_context_len``, ``default_pool_sizes``).
     ``cuda_graphs``: None uses a ``GraphRunner`` for DECODE steps when the backend can capture
     them into real device graphs, True always (the eager stand-in where the device has no
-    graphs), False never. ``progress``: None shows a progress line on stderr only on a
+    graphs), False never. ``extend_graphs``: None captures EXTEND steps too (one graph per
+    token-count bucket: ``attnplug.graphs.default_extend_tokens`` up to the step's tokens) when
+    graphs are on and the backend can (``GraphSupport.ALWAYS``), True requires it, False runs
+    them eagerly. ``progress``: None shows a progress line on stderr only on a
     terminal and for runs longer than a second, True always, False never. ``compile``: as in
     ``ModelRunner`` (the DECODE graphs replay a ``torch.compile``-d model, and the EXTEND steps
     run the model compiled once for every chunk length).
@@ -198,7 +203,10 @@ class Engine:
         compile: Union[bool, str] = False,
         kv_cache_dtype: Union[None, str, torch.dtype] = None,
         kv_scales: Optional[KVScales] = None,
+        extend_graphs: Optional[bool] = None,
     ) -> None:
+        if extend_graphs not in (None, True, False):
+            raise ValueError(f"extend_graphs must be None, True or False, got {extend_graphs!r}")
         check_sizes(
             max_batch_size=max_batch_size,
             max_context_len=max_context_len,
@@ -230,9 +238,25 @@ class Engine:
         self.progress = progress
         self._busy = threading.Lock()  # held by the one generate call running
         self.graphs = None
+        extend = self._use_extend_graphs(extend_graphs, cuda_graphs)
         if self._use_graphs(cuda_graphs):
-            self.graphs = self.runner.enable_graphs(modes=(ForwardMode.DECODE,))
+            modes = (ForwardMode.DECODE, ForwardMode.EXTEND) if extend else (ForwardMode.DECODE,)
+            tokens = default_extend_tokens(self.step_tokens) if extend else None
+            self.graphs = self.runner.enable_graphs(modes=modes, extend_tokens=tokens)
         self.last_run: Dict[str, object] = {}
+
+    def _use_extend_graphs(self, extend_graphs: Optional[bool], cuda_graphs: Optional[bool]) -> bool:
+        backend = self.runner.backend
+        can = captures_extend(backend.capabilities().graphs)
+        if extend_graphs is True:
+            if not can or cuda_graphs is False:
+                raise ValueError(
+                    f"extend_graphs=True but {'cuda_graphs=False' if can else ''}"
+                    f"{'' if can else f'backend {backend.name!r} cannot capture EXTEND steps'} "
+                    f"(graphs={backend.capabilities().graphs.name}; ALWAYS is needed)"
+                )
+            return True
+        return bool(extend_graphs is None and can)
 
     def _use_graphs(self, cuda_graphs: Optional[bool]) -> bool:
         backend = self.runner.backend
@@ -291,7 +315,7 @@ class Engine:
                     self._collect(pending)
                     pending = None
                 elif prefill:
-                    self._extend_step(prefill)
+                    counts["graph_steps"] += self._extend_step(prefill)
                     counts["steps"]["EXTEND"] += 1
                 else:
                     step_reqs = [r for r in running if r.wants_step]
@@ -465,7 +489,9 @@ class Engine:
             for row, limit in moved:
                 rows.set_swa_evicted_len(row, limit)
 
-    def _extend_step(self, prefill: Sequence[_Request]) -> None:
+    def _extend_step(self, prefill: Sequence[_Request]) -> int:
+        """Run one EXTEND step of up to ``max_prefill_tokens`` prompt tokens; returns 1 when a
+        captured graph ran it, else 0."""
         budget, reqs, new = self.max_prefill_tokens, [], []
         for r in prefill:
             n = min(len(r.prompt) - r.seq_len, budget)
@@ -504,11 +530,19 @@ class Engine:
             extend_seq_lens=new_t,
             extend_seq_lens_cpu=list(new),
         )
-        logits = runner.forward(batch, ids_t, positions, logits_indices=ends_t)
+        replayed = 0
+        if self.graphs is not None and ForwardMode.EXTEND in self.graphs.modes:
+            logits = runner.forward_graph(batch, ids_t, positions)  # [bs, vocab]: each request's last token
+            replayed = int(self.graphs.bucket_for(batch) is not None)
+            if done:
+                logits = logits[[i for i, r in enumerate(reqs) if r in done]]
+        else:
+            logits = runner.forward(batch, ids_t, positions, logits_indices=ends_t)
         if done:  # the step's one device read; a chunk that completes no prompt reads nothing
             for r, token in zip(done, logits.argmax(dim=-1).tolist()):
                 self._take(r, token)
         self._advance(reqs, new)
+        return replayed
 
     def _decode_step(self, reqs: Sequence[_Request], pending: Optional[_Pending]) -> tuple:
         """Enqueue one DECODE step of ``reqs``; returns ``(the step as _Pending, 1 when a

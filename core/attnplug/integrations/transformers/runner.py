@@ -11,7 +11,10 @@ writes ``req_to_token`` and builds the ``ForwardBatch``, as for any attnplug bac
 Uniform steps (DECODE; TARGET_VERIFY / DRAFT_EXTEND with ``num_draft_tokens``) can run
 through a ``GraphRunner`` whose captured step is the whole model forward
 (``enable_graphs`` / ``forward_graph``): device graphs where the backend has them, its eager
-stand-in otherwise.
+stand-in otherwise. So can EXTEND steps (prefill chunks) on a backend at
+``GraphSupport.ALWAYS``, one graph per token-count bucket (``extend_tokens``): the captured
+forward returns the logits of each request's last token (``[bs, vocab]``), picked on the device
+from ``extend_seq_lens``.
 
 With ``compile``, every step runs a ``torch.compile``-d model around the opaque attention op
 ``attnplug::attention``: the captured steps a model compiled for their static shapes, the
@@ -322,10 +325,14 @@ class ModelRunner:
         modes: Sequence[ForwardMode] = (ForwardMode.DECODE,),
         num_draft_tokens: Optional[int] = None,
         bucket_sizes: Optional[Sequence[int]] = None,
+        extend_tokens: Optional[Sequence[int]] = None,
     ) -> GraphRunner:
         """Build (once) the ``GraphRunner`` that captures whole-model steps of ``modes``
         (default DECODE) for up to ``max_bs`` requests (default ``max_batch_size``); it
-        captures on its first step or on ``graphs.capture()``. Returns it (``self.graphs``)."""
+        captures on its first step or on ``graphs.capture()``. Returns it (``self.graphs``).
+        With EXTEND in ``modes``, ``extend_tokens`` are its token-count buckets (the backend
+        must be at ``GraphSupport.ALWAYS``); an EXTEND step's graph returns the logits of each
+        request's last token."""
         if self.graphs is None:
             self.graphs = GraphRunner(
                 self.backend,
@@ -335,17 +342,26 @@ class ModelRunner:
                 num_draft_tokens=num_draft_tokens,
                 bucket_sizes=bucket_sizes,
                 modes=list(modes),
+                extend_tokens=extend_tokens,
+                extend_rows="requests",
             )
         return self.graphs
 
     def _graph_step(self, batch: ForwardBatch, inputs) -> torch.Tensor:
+        if batch.forward_mode is ForwardMode.EXTEND:
+            # each request's last token, from the device lengths (a padded request's index is
+            # the previous request's, a row the caller never reads); the eager steps' model
+            # (compiled for any token count under ``compile``)
+            last = (torch.cumsum(batch.extend_seq_lens, 0) - 1).clamp_min(0)
+            return self._run_model(batch, inputs["input_ids"], batch.positions, last)
         return self._run_model(batch, inputs["input_ids"], batch.positions, model=self._graph_model)
 
     def forward_graph(self, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run one step through the ``GraphRunner`` (``enable_graphs`` first): replayed when a
         captured bucket holds it, else eagerly (``self.graphs.why_eager(batch)`` says why).
-        Arguments as in ``forward``; returns float32 ``[T, vocab]``, a view of the graph's
-        static output after a replay, valid until the next step (read or clone it first)."""
+        Arguments as in ``forward``; returns float32 ``[T, vocab]`` (an EXTEND step: ``[bs,
+        vocab]``, each request's last token), a view of the graph's static output after a
+        replay, valid until the next step (read or clone it first)."""
         if self.graphs is None:
             raise RuntimeError("forward_graph() before enable_graphs()")
         self._check_tokens(batch, input_ids, positions)

@@ -189,6 +189,7 @@ def _paged_attention_kernel(
     Out,
     New,  # NewRows: the step's K/V rows stored at New.loc first, or None
     Part,  # Partials (with NUM_SPLITS > 1), or None
+    Tiles,  # [programs, 2] int32 (request, row block) of each program along axis 0, or None
     CuQ,
     SeqLens,
     keys,  # KeyTable
@@ -217,12 +218,18 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr = PLAN.BLOCK_N
     NUM_SPLITS: tl.constexpr = PLAN.NUM_SPLITS
     KV_FP8: tl.constexpr = K.dtype.element_ty.is_fp8()  # the cache stores FP8 (common)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // num_kv_heads
-    hk = pid_bh % num_kv_heads
     pdl_wait(PDL, "entry")
+    if Tiles is None:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // num_kv_heads
+        hk = pid_bh % num_kv_heads
+    else:  # the tile map (step_metadata's): axis 0 names the request and its row block
+        tile = tl.program_id(0).to(tl.int64) * 2
+        b = tl.load(Tiles + tile)
+        pid_m = tl.load(Tiles + tile + 1)
+        hk = tl.program_id(1)
 
     q_start = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q_start
@@ -434,6 +441,7 @@ def paged_attention(
     new: Optional[NewRows] = None,
     workspace: Optional[torch.Tensor] = None,
     pdl: Optional[Schedule] = None,
+    tiles: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write attention of ``q`` over the paged cache, as ``inputs`` describe it, into ``out`` by
     ``plan`` (``planner.plan_paged``) and return ``out``.
@@ -446,6 +454,11 @@ def paged_attention(
     real lengths on the device. ``workspace``: fp32, used when the plan splits the KV range;
     allocated here when None (pass one for graph capture). ``pdl``: the launch's PDL schedule
     (None: without PDL); the combine kernel, when there is one, runs ``PLAIN``.
+
+    ``tiles``: the grid as a tile map instead (``step_metadata``'s, for steps whose grid must
+    not depend on their lengths: a captured EXTEND step): ``[programs, 2]`` int32, program
+    ``i`` of axis 0 takes request ``tiles[i, 0]``'s row block ``tiles[i, 1]`` (a row block
+    past the request's rows: no work), axis 1 the kv heads; one KV split only.
     """
     T, H, D, hkv, G, bs = check_attention_args(q, k_cache, v_cache, out, inputs)
     max_q_len, window = inputs.max_q_len, inputs.window
@@ -472,7 +485,15 @@ def paged_attention(
         assert workspace.device == device, f"workspace is on {workspace.device}, q on {device}"
         n_ml = T * H * splits
         part = Partials(workspace[:n_ml], workspace[n_ml : 2 * n_ml], workspace[2 * n_ml : need])
-    grid = (triton.cdiv(max(1, max_q_len) * G, plan.BLOCK_M), bs * hkv, splits)
+    if tiles is None:
+        grid = (triton.cdiv(max(1, max_q_len) * G, plan.BLOCK_M), bs * hkv, splits)
+    else:
+        assert splits == 1 and new is None, "a tile map runs one KV split and stores nothing"
+        assert tiles.dim() == 2 and tiles.shape[1] == 2 and tiles.dtype == torch.int32 and tiles.is_contiguous(), (
+            f"tiles must be a contiguous [programs, 2] int32 tensor, got {tuple(tiles.shape)} {tiles.dtype}"
+        )
+        assert tiles.device == device, f"tiles is on {tiles.device}, q on {device}"
+        grid = (tiles.shape[0], hkv, 1)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -480,6 +501,7 @@ def paged_attention(
         out,
         new,
         part,
+        tiles,
         inputs.cu_q_lens,
         inputs.seq_lens,
         inputs.keys,

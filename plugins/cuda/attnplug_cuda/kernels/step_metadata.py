@@ -18,6 +18,14 @@ window_start           [bs] int32           ``max(0, seq_len - q_len_b - W + 1)`
                                             there is no window
 token_pos              [>= T] int32         ``[cu_q_lens[b] + i] = seq_len_b - q_len_b + i``
                                             (its causal KV length is ``token_pos + 1``)
+tiles (optional)       [P, 2] int32         the attention grid as a tile map (EXTEND steps
+                                            whose grid must not depend on their lengths):
+                                            request ``b``'s ``n_b = cdiv(q_len_b * G, R)``
+                                            row blocks of ``R`` (token, q head) rows take
+                                            entries ``[sum_{i<b} n_i, + n_b)``, its last
+                                            row block first (``(b, n_b - 1), ..., (b, 0)``);
+                                            the entries past every request's are ``(bs - 1,
+                                            P)``: a row block past any request's rows
 swa_window_table       [>= bs, width] int32 ``[b, c] = mapping[req_to_token[req_pool_indices[b],
                                             window_start[b] + c]]`` where
                                             ``window_start[b] + c < seq_len_b``, else 0
@@ -48,8 +56,9 @@ Grid: ONE launch, 1-D, programs split by role; no program depends on another's o
   writes ``cu_q_lens[0] = 0``;
 * programs ``[NB_LOC, NB_LOC + bs * NCHUNK)``: request ``b``, window-table chunk ``c`` of
   ``BLOCK_W`` columns. Chunk 0 also writes ``cu_q_lens[b + 1]``, ``window_start[b]``, the
-  request's ``token_pos`` and its padded ``req_pool_indices`` / ``seq_lens``, computing its
-  own prefix sum of the extend lens with masked loads.
+  request's ``token_pos``, its tiles and its padded ``req_pool_indices`` / ``seq_lens``,
+  computing its own prefix sums of the extend lens (and of their row blocks) with masked
+  loads; the last request's also writes the tile map's tail.
 
 PDL: ``gdc_wait`` first (``seq_lens`` and friends may have just been written by a copy),
 ``gdc_launch_dependents`` after the last store.
@@ -108,7 +117,7 @@ class WindowTable(NamedTuple):
 
 #: arguments only compared or stored, never part of an address: not specialised either, so
 #: steps of other sizes share the compiled kernel
-_VALUES = ("mapping_len", "loc_len", "window", "padded_tokens", "fill_value", "NB_LOC")
+_VALUES = ("mapping_len", "loc_len", "window", "padded_tokens", "fill_value", "NB_LOC", "num_tiles")
 
 
 @triton.jit(do_not_specialize=_PER_STEP + _VALUES)
@@ -135,6 +144,10 @@ def _step_metadata_kernel(
     CuQ,
     WinStart,
     TokenPos,
+    Tiles,  # [num_tiles, 2] int32 tile map, or None
+    num_tiles,
+    tile_rows,  # R: (token, q head) rows of a row block
+    group,  # G: q heads of a kv head
     padded_tokens,  # tokens of the padded step (== num_tokens without padding)
     fill_value,  # seq_lens of a padded request
     NB_LOC,
@@ -186,10 +199,28 @@ def _step_metadata_kernel(
                 start = b * q_len_uniform
             else:
                 start = b * 0
+                tile0 = b * 0
                 for i in range(0, b, BLOCK_BS):
                     offs_b = i + tl.arange(0, BLOCK_BS)
-                    e = tl.load(ExtLens + offs_b, mask=offs_b < b, other=0)
-                    start += tl.sum(e.to(tl.int32), axis=0)
+                    e = tl.load(ExtLens + offs_b, mask=offs_b < b, other=0).to(tl.int32)
+                    start += tl.sum(e, axis=0)
+                    if Tiles is not None:
+                        tile0 += tl.sum((e * group + tile_rows - 1) // tile_rows, axis=0)
+                if Tiles is not None:
+                    # this request's row blocks, its last (most keys) first; the last request
+                    # also marks the entries past every request's as no work
+                    n_t = (q_len * group + tile_rows - 1) // tile_rows
+                    for i in range(0, n_t, BLOCK_T):
+                        j = i + tl.arange(0, BLOCK_T)
+                        dst = Tiles + (tile0 + j).to(tl.int64) * 2
+                        tl.store(dst, b + j * 0, mask=j < n_t)
+                        tl.store(dst + 1, n_t - 1 - j, mask=j < n_t)
+                    if b == (tl.num_programs(0) - NB_LOC) // NCHUNK - 1:
+                        for i in range(tile0 + n_t, num_tiles, BLOCK_T):
+                            j = i + tl.arange(0, BLOCK_T)
+                            dst = Tiles + j.to(tl.int64) * 2
+                            tl.store(dst, b + j * 0, mask=j < num_tiles)
+                            tl.store(dst + 1, num_tiles + j * 0, mask=j < num_tiles)
             tl.store(CuQ + b + 1, start + q_len)
             tl.store(WinStart + b, ws)
             for i in range(0, q_len, BLOCK_T):
@@ -274,6 +305,9 @@ def step_metadata(
     positions: Optional[torch.Tensor] = None,
     padded: Optional[PaddedCopy] = None,
     fill_value: int = 1,
+    tiles: Optional[torch.Tensor] = None,
+    tile_rows: int = 16,
+    group: int = 1,
 ) -> Relaunch:
     """Fill the step's metadata buffers in ONE launch (see the module docstring) and return
     a ``Relaunch`` that repeats exactly this launch cheaply (graph replay: same buffers), or,
@@ -291,6 +325,11 @@ def step_metadata(
     and computes every output for the padded step (``bs_padded`` requests, ``T_padded``
     tokens), exactly as if it had been called on the padded static tensors. Rows of the table
     past the (padded) bs and entries of ``token_pos`` past the (padded) T are left untouched.
+
+    ``tiles`` (EXTEND only: a tensor ``extend_lens``): also write the attention grid's tile map,
+    ``[P, 2]`` int32, of row blocks of ``tile_rows`` (token, q head) rows, ``group`` q heads a
+    kv head (module docstring); ``P`` must hold every request's row blocks
+    (``paged_attention``'s ``tiles``).
     """
     idx = (torch.int32, torch.int64)
     device = seq_lens.device
@@ -333,6 +372,15 @@ def step_metadata(
     _check_1d("token_pos", token_pos, grid_T, (torch.int32,), device)
     if window is not None:
         assert isinstance(window, int) and window >= 1, f"window must be None or an int >= 1, got {window!r}"
+    if tiles is not None:
+        assert not uniform, "tiles need the extend lens as a tensor (an EXTEND step)"
+        assert tiles.dim() == 2 and tiles.shape[1] == 2 and tiles.dtype == torch.int32 and tiles.is_contiguous(), (
+            f"tiles must be a contiguous [P, 2] int32 tensor, got {tuple(tiles.shape)} {tiles.dtype}"
+        )
+        assert tiles.device == device, f"tiles is on {tiles.device}, expected {device}"
+        assert isinstance(tile_rows, int) and tile_rows >= 1 and isinstance(group, int) and group >= 1, (
+            f"tile_rows and group must be ints >= 1, got {tile_rows!r}, {group!r}"
+        )
 
     has_swa = swa_out_cache_loc is not None
     has_table = swa_window_table is not None
@@ -384,6 +432,10 @@ def step_metadata(
         cu_q_lens,
         window_start,
         token_pos,
+        tiles,
+        tiles.shape[0] if tiles is not None else 0,
+        tile_rows,
+        group,
         grid_T,
         fill_value,
         nb_loc,
