@@ -132,7 +132,8 @@ BAD_ARGS = [
     ("modes-repeated", dict(modes=[D, D]), "modes must not repeat a mode, got ['DECODE', 'DECODE']"),
     ("mode-a-string", dict(modes=["DECODE"]), "modes entries must be ForwardMode values, got 'DECODE'"),
     ("modes-one-mode", dict(modes=_NOT_A_SEQUENCE), "modes must be a sequence of ForwardMode, got <ForwardMode.DECODE"),
-    ("mode-extend", dict(modes=[ForwardMode.EXTEND]), "cannot capture ['EXTEND']"),
+    ("mode-extend", dict(modes=[ForwardMode.EXTEND]), "mode EXTEND needs extend_tokens"),
+    ("mode-idle", dict(modes=[ForwardMode.IDLE]), "cannot capture ['IDLE']"),
     ("verify-without-drafts", dict(modes=[D, TV]), "modes ['TARGET_VERIFY'] need num_draft_tokens"),
     (
         "input-shape-an-int",

@@ -211,7 +211,7 @@ def test_first_step_of_a_captured_mode_captures(caplog):
         assert not runner.capture_ran and runner.graphs == {}
         world.commit(extend)
         step = world.plan(ForwardMode.DECODE, reqs)
-        assert "capture() has not run yet" in runner.why_eager(step.batch)
+        assert "the DECODE graphs are not captured yet" in runner.why_eager(step.batch)
         replayed = runner.run(step.batch, step.inputs).clone()
     assert runner.capture_ran and set(runner.graphs) == {(ForwardMode.DECODE, 2), (ForwardMode.DECODE, 4)}
     assert runner.why_eager(step.batch) is None and "capturing on first use" in caplog.text
@@ -394,3 +394,21 @@ def test_default_extend_tokens():
     assert default_extend_tokens(100) == (100,)
     assert default_extend_tokens(8192) == (256, 512, 1024, 2048, 4096, 8192)
     assert default_extend_tokens(3000) == (256, 512, 1024, 2048, 3000)
+
+
+def test_first_use_captures_only_the_steps_mode():
+    """A prefill-only run captures its EXTEND buckets and no DECODE graph; the first DECODE
+    step then captures DECODE's, leaving the EXTEND graphs as they were."""
+    world, reqs = _prefilled(2)
+    runner = world.graph_runner(max_bs=2, bucket_sizes=[1, 2], extend_tokens=[8], capture=False)
+    step = world.plan(ForwardMode.EXTEND, reqs, [2, 3])
+    assert "EXTEND graphs are not captured yet" in runner.why_eager(step.batch)
+    runner.run(step.batch, step.inputs)
+    world.commit(step)
+    assert runner.status()["captured"] == ["EXTEND/tokens=8"]
+    extend_graph = runner.graphs[(ForwardMode.EXTEND, 8)]
+    decode = world.plan(ForwardMode.DECODE, reqs)
+    assert "DECODE graphs are not captured yet" in runner.why_eager(decode.batch)
+    runner.run(decode.batch, decode.inputs)
+    assert runner.status()["captured"] == ["DECODE/bs=1", "DECODE/bs=2", "EXTEND/tokens=8"]
+    assert runner.graphs[(ForwardMode.EXTEND, 8)] is extend_graph

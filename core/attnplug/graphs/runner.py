@@ -52,7 +52,8 @@ addresses. A backend that keeps one state (the contract's default) serves one li
 second is refused while the first lives (``runner_args``).
 
 The runner never runs eagerly without saying so. ``run()`` captures on first use: the first
-step of a mode the runner captures triggers ``capture()`` when it was never called. A step that
+step of a mode the runner captures captures that mode's buckets when ``capture()`` never did
+(a prefill-only run never captures DECODE graphs). A step that
 still runs eagerly has a reason, ``why_eager(batch)``; the first eager step of each mode and
 reason is logged (WARNING when graphs could serve it, e.g. a batch larger than ``max_bs``;
 INFO for modes the runner never captures, e.g. EXTEND), and ``status()`` lists the reasons
@@ -186,6 +187,7 @@ class GraphRunner(StaticBuffers):
         #: (mode, bucket) -> why its capture failed (those buckets run in a larger bucket or eagerly)
         self.capture_failures: Dict[GraphKey, str] = {}
         self.capture_ran = False
+        self._modes_captured: set = set()  # modes whose buckets capture() has tried
         #: "MODE" -> {"steps": eager steps run, "why": the latest reason}
         self.eager_runs: Dict[str, Dict[str, object]] = {}
         self._eager_logged: set = set()  # (mode, kind) already logged
@@ -222,20 +224,21 @@ class GraphRunner(StaticBuffers):
             validate=False,  # padding views: padded requests may be shorter than q_len
         )
 
-    def capture(self, *, strict: bool = False) -> Dict[GraphKey, str]:
-        """Capture every (mode, bucket) graph, largest bucket first; returns
-        ``capture_failures`` (empty when all were captured).
+    def capture(self, *, strict: bool = False, modes: Optional[Sequence[ForwardMode]] = None) -> Dict[GraphKey, str]:
+        """Capture every (mode, bucket) graph of ``modes`` (default: every mode of the runner),
+        largest bucket first; returns ``capture_failures`` (empty when all were captured).
 
         Buffers hold padding values during capture, so capture never touches a live KV slot
         (slot 0 only). A bucket whose capture raises is left out and its reason recorded (see
         module docstring); ``strict``: then raise ``GraphCaptureError`` after trying every
-        bucket. Calling it again recaptures every bucket.
+        bucket. Calling it again recaptures those modes' buckets.
         """
+        wanted = self.modes if modes is None else tuple(m for m in self.modes if m in modes)
         self._prepared = None
         self._use_own_graph_state()
         self._reset_padding()
         with collector.collector_paused(collect=False):  # device graphs collect once, before their first capture
-            for mode in self.modes:
+            for mode in wanted:
                 for bs in reversed(self.extend_tokens if mode is ForwardMode.EXTEND else self.bucket_sizes):
                     key = (mode, bs)
                     self.graphs.pop(key, None)
@@ -245,8 +248,9 @@ class GraphRunner(StaticBuffers):
                     except Exception as exc:
                         self._record_failure(key, exc)
         self.capture_ran = True
+        self._modes_captured.update(wanted)
         self._build_routes()
-        for mode in self.modes:
+        for mode in wanted:
             if not any(k[0] is mode for k in self.graphs):
                 logger.error(
                     "GraphRunner(%s): no %s graph captured; every %s step runs eagerly",
@@ -343,10 +347,9 @@ class GraphRunner(StaticBuffers):
                 f"num_draft_tokens={batch.num_draft_tokens}, the graphs are captured for "
                 f"num_draft_tokens={self.num_draft_tokens}"
             )
-        if not self.capture_ran:
+        if mode not in self._modes_captured:
             return "not-captured-yet", (
-                f"capture() has not run yet (run() captures on the first step of "
-                f"{', '.join(m.name for m in self.modes)})"
+                f"the {mode.name} graphs are not captured yet (run() captures a mode's graphs on its first step)"
             )
         captured = [b for (m, b) in self.graphs if m is mode]
         if not captured:
@@ -385,7 +388,7 @@ class GraphRunner(StaticBuffers):
 
         After a replay this is a view of the graph's static output: valid until the next
         ``run()`` of this runner (read it, or ``clone()`` it, before then). The first step of a
-        captured mode captures every graph when ``capture()`` was never called. A step no graph
+        captured mode captures that mode's graphs when ``capture()`` never did. A step no graph
         covers runs eagerly (``init_forward_metadata`` + ``step``); ``why_eager`` says why.
         ``run`` is ``prepare`` then ``replay`` when a graph covers the step.
         """
@@ -415,9 +418,9 @@ class GraphRunner(StaticBuffers):
         mode = self._check_mode(batch)
         if mode in self.modes:
             self._check_step(batch, inputs)
-            if not self.capture_ran:
+            if mode not in self._modes_captured:
                 logger.info("GraphRunner(%s): capturing on first use (first %s step)", self.backend.name, mode.name)
-                self.capture()
+                self.capture(modes=(mode,))
         captured = self._route(batch)
         if captured is None:
             return False
