@@ -37,6 +37,7 @@ from attnplug import (
     decide_needs_cpu_seq_lens,
     get_backend,
 )
+from attnplug.graphs import captures_extend
 
 # The model and the cache.
 NUM_LAYERS, SWA_LAYERS = 4, (0, 1, 2)  # layers 0-2 use the sliding window, layer 3 is full
@@ -156,16 +157,21 @@ class Engine:
             # One static input buffer per per-token model input: name -> (per-token shape, dtype).
             # The constructor calls backend.init_cuda_graph_state(max_bs, max_num_tokens).
             # Buckets 1, 2, 4: a step of 3 requests replays the graph of 4 with one padded request.
+            # A backend at GraphSupport.ALWAYS captures the prefill chunks too, one graph per
+            # token-count bucket (16 and 32: the first prefill's 29 tokens pad to 32, C's second
+            # chunk of 9 to 16); elsewhere they run eagerly through the same run() call.
+            extend = captures_extend(self.backend.capabilities().graphs)
             self.runner = GraphRunner(
                 self.backend,
                 self.model.step,
                 max_bs=4,
                 inputs={"hidden": ((NUM_HEADS * HEAD_DIM,), dtype)},
                 num_draft_tokens=NUM_DRAFT_TOKENS,
-                modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY],
+                modes=[ForwardMode.DECODE, ForwardMode.TARGET_VERIFY] + ([ForwardMode.EXTEND] if extend else []),
+                extend_tokens=[16, 32] if extend else None,
             )  # the modes run here
-            # Capture every (mode, bucket) now, before serving. Without this call the first
-            # DECODE or TARGET_VERIFY step would capture.
+            # Capture every (mode, bucket) now, before serving. Without this call a mode's
+            # first step would capture that mode's buckets.
             failures = self.runner.capture()
             status = self.runner.status()
             kind = "device graphs" if status["device_graphs"] else "eager stand-in"
@@ -228,7 +234,8 @@ class Engine:
             return self.model.step(batch, inputs), "eager"
         out = self.runner.run(batch, inputs)  # replay padded to a bucket, or eager
         bucket = self.runner.bucket_for(batch)
-        return out, f"graph bs={bucket}" if bucket is not None else "eager (runner)"
+        unit = "tokens" if batch.forward_mode is ForwardMode.EXTEND else "bs"
+        return out, f"graph {unit}={bucket}" if bucket is not None else "eager (runner)"
 
     def step(self, label: str, mode: ForwardMode, reqs: Sequence[Request], new: Sequence[int]) -> torch.Tensor:
         """Allocate, build the batch and inputs, run; returns the logits (host, float64).

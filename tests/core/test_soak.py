@@ -105,7 +105,7 @@ def test_reference_backend_passes(tmp_path, capsys, page_size, graphs, steps):
     if graphs == "--graphs":
         assert fig["graph_kind"] == "eager stand-in"
         assert fig["replays"] > 0 and fig["eager_steps"] > 0
-        for mode in ("DECODE", "TARGET_VERIFY", "DRAFT_EXTEND"):
+        for mode in ("DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "EXTEND"):  # EXTEND: token-count buckets
             assert fig["modes"][mode]["replays"] > 0, mode
         assert fig["modes"]["DECODE"]["eager"] + fig["modes"]["TARGET_VERIFY"]["eager"] > 0  # fallback
     else:

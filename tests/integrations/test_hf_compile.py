@@ -29,7 +29,9 @@ def test_compiled_decode_graphs_give_transformers_tokens(arch):
     )
     assert engine.generate(PROMPTS, 8) == want
     run = engine.last_run
-    assert run["graph_steps"] == run["steps"]["DECODE"] > 0
+    # the DECODE steps and the EXTEND ones (token-count graphs of the model compiled for any length)
+    assert run["graph_steps"] == run["steps"]["DECODE"] + run["steps"]["EXTEND"] and run["steps"]["DECODE"] > 0
+    assert engine.graphs.extend_tokens == (128,)  # 2 requests of at most 64 tokens
     assert engine.runner.compile == "aot_eager"
 
 

@@ -43,48 +43,43 @@ def _ints(value: Any, name: str, lo: int) -> int:
     return host_int(value, name, lo=lo, error=ValueError)
 
 
+def _increasing(value: Any, name: str, what: str, default: str) -> Tuple[int, ...]:
+    """``value`` (not None) as a strictly increasing tuple of ints >= 1; ``ValueError`` naming
+    ``name`` otherwise (``what``: one entry's meaning, ``default``: what None would do)."""
+    if isinstance(value, (str, bytes, Mapping, set, frozenset)):
+        raise ValueError(f"{name} must be a sequence of ints, got {value!r}")
+    try:
+        given = list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of ints, got {value!r}") from None
+    sizes = [_ints(b, f"{name} entry", 1) for b in given]
+    if not sizes:
+        raise ValueError(f"{name} must list at least one {what}, got [] (None: {default})")
+    if any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"{name} must be strictly increasing (no repeats), got {sizes}")
+    return tuple(sizes)
+
+
 def _bucket_sizes(bucket_sizes: Any, max_bs: int) -> Optional[Tuple[int, ...]]:
     if bucket_sizes is None:
         return None
-    if isinstance(bucket_sizes, (str, bytes, Mapping, set, frozenset)):
-        raise ValueError(f"bucket_sizes must be a sequence of ints, got {bucket_sizes!r}")
-    try:
-        given = list(bucket_sizes)
-    except TypeError:
-        raise ValueError(f"bucket_sizes must be a sequence of ints, got {bucket_sizes!r}") from None
-    sizes = [_ints(b, "bucket_sizes entry", 1) for b in given]
-    if not sizes:
-        raise ValueError(
-            "bucket_sizes must list at least one batch size, got [] (None: the default sizes up to max_bs)"
-        )
-    if any(a >= b for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"bucket_sizes must be strictly increasing (no repeats), got {sizes}")
+    sizes = _increasing(bucket_sizes, "bucket_sizes", "batch size", "the default sizes up to max_bs")
     if sizes[-1] > max_bs:
-        raise ValueError(f"bucket_sizes must lie in 1..max_bs={max_bs}, got {sizes}")
-    return tuple(sizes)
+        raise ValueError(f"bucket_sizes must lie in 1..max_bs={max_bs}, got {list(sizes)}")
+    return sizes
 
 
 def _extend_tokens(extend_tokens: Any, backend: AttentionBackend) -> Optional[Tuple[int, ...]]:
     if extend_tokens is None:
         return None
-    if isinstance(extend_tokens, (str, bytes, Mapping, set, frozenset)):
-        raise ValueError(f"extend_tokens must be a sequence of ints, got {extend_tokens!r}")
-    try:
-        given = list(extend_tokens)
-    except TypeError:
-        raise ValueError(f"extend_tokens must be a sequence of ints, got {extend_tokens!r}") from None
-    sizes = [_ints(b, "extend_tokens entry", 1) for b in given]
-    if not sizes:
-        raise ValueError("extend_tokens must list at least one token count, got [] (None: EXTEND steps run eagerly)")
-    if any(a >= b for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"extend_tokens must be strictly increasing (no repeats), got {sizes}")
+    sizes = _increasing(extend_tokens, "extend_tokens", "token count", "EXTEND steps run eagerly")
     graphs = backend.capabilities().graphs
     if not captures_extend(graphs):
         raise ValueError(
             f"extend_tokens given, but backend {backend.name!r} cannot capture EXTEND steps (graphs={graphs.name}; "
             "ALWAYS is needed: lengths read from device tensors inside a graph)"
         )
-    return tuple(sizes)
+    return sizes
 
 
 def _modes(

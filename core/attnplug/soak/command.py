@@ -19,14 +19,19 @@ from .config import DTYPES, SoakConfig
 __all__ = ["add_arguments", "config_from_args", "run_command"]
 
 
-def _buckets(text: str):
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--buckets must be comma-separated ints, got {text!r}") from None
-    if not sizes:
-        raise argparse.ArgumentTypeError("--buckets is empty")
-    return sizes
+def _sizes(flag: str):
+    """A parser of ``flag``'s comma-separated ints, naming ``flag`` in its errors."""
+
+    def parse(text: str):
+        try:
+            sizes = tuple(int(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be comma-separated ints, got {text!r}") from None
+        if not sizes:
+            raise argparse.ArgumentTypeError(f"{flag} is empty")
+        return sizes
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,10 +57,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--buckets",
-        type=_buckets,
+        type=_sizes("--buckets"),
         default=d.buckets,
         metavar="B1,B2,...",
         help=f"captured batch sizes (default: {','.join(map(str, d.buckets))})",
+    )
+    add(
+        "--extend-tokens",
+        type=_sizes("--extend-tokens"),
+        default=d.extend_tokens,
+        metavar="T1,T2,...",
+        help="captured token counts of prefill chunks, where the backend captures EXTEND steps "
+        f"(default: {','.join(map(str, d.extend_tokens))})",
     )
     count("--num-layers", "L", "layers; every third and the last are full layers, the rest SWA")
     count("--num-heads", "H", "query heads")
@@ -116,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         draft_tokens=args.draft_tokens,
         alt_draft_tokens=args.alt_draft_tokens,
         buckets=args.buckets,
+        extend_tokens=args.extend_tokens,
         pool_size=args.pool_size,
         swa_pool_size=args.swa_pool_size,
         poison=args.poison,

@@ -45,7 +45,9 @@ class SoakConfig:
     (default: just large enough for the largest single request, so pressure is constant).
     Graphs: ``buckets`` batch sizes captured for DECODE / TARGET_VERIFY / DRAFT_EXTEND with
     ``draft_tokens`` per request; verify steps with ``alt_draft_tokens`` and batches larger than
-    the largest bucket run eagerly.
+    the largest bucket run eagerly. ``extend_tokens``: the token-count buckets of the prefill
+    chunks' (EXTEND) graphs where the backend captures them (``GraphSupport.ALWAYS``); chunks of
+    more tokens run eagerly.
     """
 
     backend: str = "reference"
@@ -67,6 +69,7 @@ class SoakConfig:
     draft_tokens: int = 3
     alt_draft_tokens: int = 2
     buckets: Tuple[int, ...] = (1, 2, 4, 6)
+    extend_tokens: Tuple[int, ...] = (8, 32)
     pool_size: Optional[int] = None
     swa_pool_size: Optional[int] = None
     poison: str = "nan"  # "nan": free slots and the sink hold NaN before every step; "none": left as they are

@@ -20,7 +20,7 @@ class SoakFailure:
     seed: int
     step: int
     mode: str
-    path: str  # "replay (bucket B)" or "eager"
+    path: str  # "replay (bucket B)", "replay (tokens T)" (EXTEND) or "eager"
     check: str
     message: str
     batch: str  # requests, new tokens and lengths of the step

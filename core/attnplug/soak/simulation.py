@@ -21,9 +21,9 @@ from typing import Callable, Dict, Optional, Tuple, Type
 import torch
 
 from ..backend import AttentionBackend, GraphSupport, decide_needs_cpu_seq_lens
-from ..batch import ForwardBatch
+from ..batch import ForwardBatch, ForwardMode
 from ..cli_errors import signal_name
-from ..graphs import EagerGraph, GraphRunner
+from ..graphs import EagerGraph, GraphRunner, captures_extend
 from ..memory import ReqToTokenPool, SWAKVPool, SWATokenAllocator
 from .checks import StepChecks
 from .config import DEFAULT_TOLERANCE, SoakConfig, dtype_name
@@ -91,6 +91,7 @@ class Soak:
                 inputs={"q": ((L, H, D), self.dtype), "k": ((L, Hkv, D), self.dtype), "v": ((L, Hkv, D), self.dtype)},
                 num_draft_tokens=cfg.draft_tokens,
                 bucket_sizes=cfg.buckets,
+                extend_tokens=cfg.extend_tokens if captures_extend(caps.graphs) else None,
             )
             graph_kind = "eager stand-in" if isinstance(backend_cls.new_graph(), EagerGraph) else "device graphs"
 
@@ -223,7 +224,9 @@ class Soak:
         if self.runner is None:
             return "eager"
         bucket = self.runner.bucket_for(planned.batch)
-        return "eager" if bucket is None else f"replay (bucket {bucket})"
+        if bucket is None:
+            return "eager"
+        return f"replay ({'tokens' if planned.mode is ForwardMode.EXTEND else 'bucket'} {bucket})"
 
     def _execute(self, planned: Planned) -> torch.Tensor:
         """Run the step; returns ``[T, L, H, D]`` float64 on the host."""

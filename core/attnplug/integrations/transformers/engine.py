@@ -172,7 +172,8 @@ class Engine:
     ``cuda_graphs``: None uses a ``GraphRunner`` for DECODE steps when the backend can capture
     them into real device graphs, True always (the eager stand-in where the device has no
     graphs), False never. ``extend_graphs``: None captures EXTEND steps too (one graph per
-    token-count bucket: ``attnplug.graphs.default_extend_tokens`` up to the step's tokens) when
+    token-count bucket: ``attnplug.graphs.default_extend_tokens`` up to the most tokens a step
+    holds: ``max_prefill_tokens``, at most ``max_batch_size * max_context_len``) when
     graphs are on and the backend can (``GraphSupport.ALWAYS``), True requires it, False runs
     them eagerly. ``progress``: None shows a progress line on stderr only on a
     terminal and for runs longer than a second, True always, False never. ``compile``: as in
@@ -241,7 +242,8 @@ class Engine:
         extend = self._use_extend_graphs(extend_graphs, cuda_graphs)
         if self._use_graphs(cuda_graphs):
             modes = (ForwardMode.DECODE, ForwardMode.EXTEND) if extend else (ForwardMode.DECODE,)
-            tokens = default_extend_tokens(self.step_tokens) if extend else None
+            # a step holds at most max_prefill_tokens, and no more than the requests' contexts
+            tokens = default_extend_tokens(min(self.step_tokens, max_batch_size * max_context_len)) if extend else None
             self.graphs = self.runner.enable_graphs(modes=modes, extend_tokens=tokens)
         self.last_run: Dict[str, object] = {}
 
