@@ -37,7 +37,6 @@ from attnplug import (
     decide_needs_cpu_seq_lens,
     get_backend,
 )
-from attnplug.graphs import captures_extend
 
 # The model and the cache.
 NUM_LAYERS, SWA_LAYERS = 4, (0, 1, 2)  # layers 0-2 use the sliding window, layer 3 is full
@@ -160,7 +159,7 @@ class Engine:
             # A backend at GraphSupport.ALWAYS captures the prefill chunks too, one graph per
             # token-count bucket (16 and 32: the first prefill's 29 tokens pad to 32, C's second
             # chunk of 9 to 16); elsewhere they run eagerly through the same run() call.
-            extend = captures_extend(self.backend.capabilities().graphs)
+            extend = ForwardMode.EXTEND in self.backend.capabilities().graphs.modes
             self.runner = GraphRunner(
                 self.backend,
                 self.model.step,
