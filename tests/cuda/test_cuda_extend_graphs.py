@@ -1,8 +1,8 @@
 """Captured EXTEND steps on the cuda backend: the tile map ``step_metadata`` writes (every
 request's row blocks, its last first, the tail marked as no work), the planner's tile-map
 plans (a KV store launch, then unsplit ``paged_attention``), and EXTEND steps replayed in
-token-count buckets through graphs that replay the captured launches over the captured tensors
-(tests/fake_graph_device.py) equal the eager steps and dense attention, prefix, windows and
+token-count buckets through CUDA graphs (on the host: graphs that replay the captured launches
+over the captured tensors, tests/fake_graph_device.py) equal the eager steps and dense attention, prefix, windows and
 padding included; the KV they write equals the eager step's."""
 
 import pytest
@@ -77,7 +77,8 @@ def test_extend_graphs_replay_equal_eager_and_dense(window):
     first = world.plan(ForwardMode.EXTEND, reqs, [3, 9, 5, 2])
     world.run_eager(first)
     world.commit(first)
-    use_tape_graphs(world.backend)
+    if DEVICE.type == "cpu":  # the host: graphs that replay the tape of the interpreter's launches
+        use_tape_graphs(world.backend)
     runner = world.graph_runner(max_bs=4, bucket_sizes=[4], modes=[ForwardMode.EXTEND], extend_tokens=[8, 24])
     for lens in ([1, 6, 1], [8, 2, 11, 3], [4], [2, 2, 2, 2]):
         step = world.plan(ForwardMode.EXTEND, reqs[: len(lens)], lens)
