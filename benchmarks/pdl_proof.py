@@ -2,8 +2,9 @@
 
 1. Twin worlds (same seeds, same steps) with the ``cuda`` backend, one built with
    ``ATTNPLUG_DISABLE_PDL=1``, run ``--steps`` random steps (decode, target-verify,
-   draft-extend through the graph runner; prefills eagerly; eviction between steps; requests
-   finishing and arriving). Every output and, at the end, every KV cache must be
+   draft-extend and prefills through the graph runner, the prefills in token-count buckets of
+   256 and 512 or eagerly past them; eviction between steps; requests finishing and
+   arriving). Every output and, at the end, every KV cache must be
    bit-identical.
 2. A decode step captured into a CUDA graph: its kernel nodes and the types of the edges
    between them, read back through the CUDA runtime (``cudaGraphGetEdges`` with edge data);
@@ -54,7 +55,9 @@ def _world(pdl: bool, seed: int) -> World:
 
 def twin_steps(steps: int, seed: int = 0) -> dict:
     worlds = [_world(True, seed), _world(False, seed)]
-    runners = [w.graph_runner(max_bs=16, num_draft_tokens=NDT, bucket_sizes=[4, 16]) for w in worlds]
+    runners = [
+        w.graph_runner(max_bs=16, num_draft_tokens=NDT, bucket_sizes=[4, 16], extend_tokens=[256, 512]) for w in worlds
+    ]
     rng = random.Random(seed)
     counts, mismatches, replayed = {}, [], 0
     t0 = time.time()
@@ -85,11 +88,10 @@ def twin_steps(steps: int, seed: int = 0) -> dict:
             if plan[0] == "prefill":
                 reqs = [w.new_request() for _ in plan[1]]
                 step = w.plan(ForwardMode.EXTEND, reqs, plan[1])
-                out = w.run_eager(step)
             else:
                 mode, rows = plan
                 step = w.plan(mode, [by_row[r] for r in rows], num_draft_tokens=NDT if mode.is_speculative else None)
-                out = runner.run(step.batch, step.inputs)
+            out = runner.run(step.batch, step.inputs)
             outs.append(out.clone())
             w.commit(step)
             for r in w.requests:
@@ -97,7 +99,7 @@ def twin_steps(steps: int, seed: int = 0) -> dict:
         if outs:
             key = plan[0] if isinstance(plan[0], str) else plan[0].name
             counts[key] = counts.get(key, 0) + 1
-            replayed += runners[0].bucket_for(step.batch) is not None if not isinstance(plan[0], str) else 0
+            replayed += runners[0].bucket_for(step.batch) is not None
             if not torch.equal(outs[0], outs[1]):
                 mismatches.append((i, key, float((outs[0].float() - outs[1].float()).abs().max())))
     torch.cuda.synchronize()
