@@ -13,7 +13,10 @@ module checks that, reading values only where that costs no device sync:
   - ``req_pool_indices``: every entry is a live row of ``req_to_token`` or ``0`` (a padded
     request); a freed or never-allocated row is refused;
   - ``seq_lens`` of real requests: ``extend_seq_lens <= seq_lens <= max_context_len``;
-  - ``extend_seq_lens``: as many new tokens as the mode says, ``sum == len(out_cache_loc)``.
+  - ``extend_seq_lens``: as many new tokens as the mode says, ``sum == len(out_cache_loc)``;
+    in a captured EXTEND step's padded batch (no host mirror: a graph runner's static batch) a
+    padded request (row 0) may have none and the tokens past ``sum`` are padding (they belong to
+    no request: the sink or nowhere, like a padded request's);
 
   - consistency with the request table (``req_to_token``) and the pool's mapping: a request
     appears once; a padded request's tokens write to the sink (``0``) or nowhere (``-1``); each
@@ -95,7 +98,7 @@ def check_batch_against_pools(
         )
         _check_rows_live(req_to_token_pool, rows)
 
-    ext = _extend_lens(batch, read_device)
+    ext = _extend_lens(batch, read_device, rows)
     seq = _values(batch.seq_lens, read_device)
     if seq is not None and rows is not None and ext is not None:
         max_len = req_to_token_pool.max_context_len
@@ -112,8 +115,10 @@ def check_batch_against_pools(
             check_batch_consistency(batch, pool, req_to_token_pool, rows, seq, ext, window=window)
 
 
-def _extend_lens(batch: ForwardBatch, read_device: bool) -> Optional[List[int]]:
-    """New tokens per request, checked against the mode and ``len(out_cache_loc)``."""
+def _extend_lens(batch: ForwardBatch, read_device: bool, rows: Optional[List[int]]) -> Optional[List[int]]:
+    """New tokens per request, checked against the mode and ``len(out_cache_loc)`` (a padded
+    EXTEND batch without a host mirror: padded requests may have none, ``sum`` at most the
+    tokens: module docstring)."""
     values = _values(batch.extend_seq_lens, read_device)
     q_len = batch.q_len
     if values is None:
@@ -127,13 +132,20 @@ def _extend_lens(batch: ForwardBatch, read_device: bool) -> Optional[List[int]]:
             lambda e: e == q_len,
             f"every request has {q_len} new token(s) in {batch.forward_mode.name} mode",
         )
-    else:
+    padded = q_len is None and batch.extend_seq_lens_cpu is None and rows is not None
+    if padded:
+        for i, (e, r) in enumerate(zip(values, rows)):
+            if e < (1 if r else 0):
+                raise BatchError(
+                    f"extend_seq_lens[{i}] = {e} is out of range (a request has >= 1 new token, a padded one >= 0)"
+                )
+    elif q_len is None:
         _first_bad("extend_seq_lens", values, lambda e: e >= 1, "every request has >= 1 new token")
     if batch.extend_seq_lens_cpu is not None and list(batch.extend_seq_lens_cpu) != values:
         raise BatchError(
             f"extend_seq_lens = {values} differs from extend_seq_lens_cpu = {list(batch.extend_seq_lens_cpu)}"
         )
-    if sum(values) != batch.num_tokens:
+    if sum(values) > batch.num_tokens or (sum(values) < batch.num_tokens and not padded):
         raise BatchError(f"sum(extend_seq_lens) = {sum(values)} but len(out_cache_loc) = {batch.num_tokens}")
     return values
 

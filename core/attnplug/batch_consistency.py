@@ -100,11 +100,13 @@ class _Step:
         given = batch.extend_seq_lens
         e = self.ext = given.to(torch.int64) if given is not None else torch.as_tensor(ext, dtype=torch.int64).to(dev)
         self.real = self.rows != 0
-        T = batch.num_tokens
-        self.tok_req = torch.repeat_interleave(torch.arange(len(rows), device=dev), e, output_size=T)
+        T, n = batch.num_tokens, sum(ext)  # n < T: a padded EXTEND batch, its last T - n tokens no request's
+        self.num_new = n
+        self.tok_req = torch.repeat_interleave(torch.arange(len(rows), device=dev), e, output_size=n)
+        self.tok_req = torch.cat([self.tok_req, self.tok_req.new_zeros(T - n)])
         starts = torch.cumsum(e, 0) - e
         self.tok_pos = self.seq[self.tok_req] - e[self.tok_req] + torch.arange(T, device=dev) - starts[self.tok_req]
-        self.tok_real = self.real[self.tok_req]
+        self.tok_real = self.real[self.tok_req] & (torch.arange(T, device=dev) < n)
         self.loc = batch.out_cache_loc.to(torch.int64)
         self.width = max(1, min(max(seq), max_len))
         # the step's rows up to the longest seq_len: [bs, width] int64 (row 0 all zero)
@@ -163,9 +165,14 @@ class _Step:
 
     def _say_pad(self, mask) -> str:
         t, i, _, _, slot = self._token(mask)
+        whose = (
+            f"belongs to padded request {i} (req_pool_indices[{i}] = 0)"
+            if t < self.num_new
+            else f"belongs to no request (past the {self.num_new} new tokens of extend_seq_lens)"
+        )
         return (
-            f"out_cache_loc[{t}] = {slot} belongs to padded request {i} (req_pool_indices[{i}] = 0): padded "
-            "tokens write to the sink 0 or nowhere (-1), never to a slot a request may hold"
+            f"out_cache_loc[{t}] = {slot} {whose}: padded tokens write to the sink 0 or nowhere (-1), never to a "
+            "slot a request may hold"
         )
 
     def _say_row(self, mask) -> str:

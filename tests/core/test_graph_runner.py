@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from attnplug import EagerGraph, ForwardMode, GraphRunner, GraphSupport
+from attnplug import BatchError, EagerGraph, ForwardMode, GraphRunner, GraphSupport
 from attnplug.backends.reference import ReferenceBackend
 from attnplug.graphs import GraphCaptureError, default_bucket_sizes, default_extend_tokens
 from attnplug_conformance.harness import World
@@ -412,3 +412,22 @@ def test_first_use_captures_only_the_steps_mode():
     runner.run(decode.batch, decode.inputs)
     assert runner.status()["captured"] == ["DECODE/bs=1", "DECODE/bs=2", "EXTEND/tokens=8"]
     assert runner.graphs[(ForwardMode.EXTEND, 8)] is extend_graph
+
+
+def test_extend_graphs_under_validation(monkeypatch):
+    """ATTNPLUG_VALIDATE=1: the padded batch of an EXTEND graph (padded requests without new
+    tokens, tokens of no request) passes the backend's checks, so every bucket is captured and
+    replays; a real slot on a token of no request is still refused."""
+    monkeypatch.setenv("ATTNPLUG_VALIDATE", "1")
+    world, reqs = _prefilled(3)
+    runner = world.graph_runner(max_bs=4, bucket_sizes=[4], extend_tokens=[8, 16])
+    assert runner.capture_failures == {}
+    step = world.plan(ForwardMode.EXTEND, reqs, [5, 1, 3])
+    replayed = runner.run(step.batch, step.inputs).clone()
+    assert runner.bucket_for(step.batch) == 16
+    assert_close_rel(replayed, world.run_eager(step).double().cpu(), 1e-6, "replay vs eager")
+    world.commit(step)
+    static = runner.graphs[(ForwardMode.EXTEND, 16)].batch
+    runner.out_cache_loc[12] = step.batch.out_cache_loc[0]  # a token of no request holding a real slot
+    with pytest.raises(BatchError, match=r"out_cache_loc\[12\] = \d+ belongs to no request \(past the 9 new tokens"):
+        world.backend.check_batch(static, read_device=True)

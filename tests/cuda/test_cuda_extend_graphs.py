@@ -59,6 +59,29 @@ def test_step_metadata_writes_the_tile_map(ext, group, rows):
     assert cu.cpu().tolist() == [0, *torch.tensor(ext).cumsum(0).tolist()]
 
 
+def test_lengths_past_the_bucket_write_nothing_past_the_tile_map():
+    """Device lengths that disagree with the bucket (a malformed batch the host cannot see)
+    never make the metadata launch write past its tile map."""
+    ext = torch.tensor([40, 40], dtype=torch.int64, device=DEVICE)  # 80 tokens in a map for 8
+    T, group, rows = 8, 4, 16
+    count = -(-T * group // rows) + 2
+    whole = torch.full((count + 16, 2), -7, dtype=torch.int32, device=DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    step_metadata(
+        torch.arange(2, device=DEVICE),
+        ext,
+        ext,
+        torch.zeros(T, dtype=torch.int64, device=DEVICE),
+        cu_q_lens=torch.empty(3, **i32),
+        window_start=torch.empty(2, **i32),
+        token_pos=torch.zeros(100, **i32),
+        tiles=whole[:count],
+        tile_rows=rows,
+        group=group,
+    )
+    assert (whole[count:] == -7).all()
+
+
 def test_tile_map_plans_are_two_launches_unsplit():
     shape = AttentionShape(32, 8, 128, 4096, 512, 132)
     for tokens in (16, 256, 8192):

@@ -213,8 +213,9 @@ def _step_metadata_kernel(
                     for i in range(0, n_t, BLOCK_T):
                         j = i + tl.arange(0, BLOCK_T)
                         dst = Tiles + (tile0 + j).to(tl.int64) * 2
-                        tl.store(dst, b + j * 0, mask=j < n_t)
-                        tl.store(dst + 1, n_t - 1 - j, mask=j < n_t)
+                        inside = (j < n_t) & (tile0 + j < num_tiles)  # lengths past the bucket: nothing past the map
+                        tl.store(dst, b + j * 0, mask=inside)
+                        tl.store(dst + 1, n_t - 1 - j, mask=inside)
                     if b == (tl.num_programs(0) - NB_LOC) // NCHUNK - 1:
                         for i in range(tile0 + n_t, num_tiles, BLOCK_T):
                             j = i + tl.arange(0, BLOCK_T)
