@@ -249,16 +249,18 @@ class Engine:
 
     def _use_extend_graphs(self, extend_graphs: Optional[bool], cuda_graphs: Optional[bool]) -> bool:
         backend = self.runner.backend
-        can = captures_extend(backend.capabilities().graphs)
+        graphs = backend.capabilities().graphs
+        can = captures_extend(graphs)
         if extend_graphs is True:
-            if not can or cuda_graphs is False:
+            if not can:
                 raise ValueError(
-                    f"extend_graphs=True but {'cuda_graphs=False' if can else ''}"
-                    f"{'' if can else f'backend {backend.name!r} cannot capture EXTEND steps'} "
-                    f"(graphs={backend.capabilities().graphs.name}; ALWAYS is needed)"
+                    f"extend_graphs=True but backend {backend.name!r} cannot capture EXTEND steps "
+                    f"(graphs={graphs.name}; ALWAYS is needed)"
                 )
+            if cuda_graphs is False:
+                raise ValueError("extend_graphs=True but cuda_graphs=False (EXTEND graphs need graphs on)")
             return True
-        return bool(extend_graphs is None and can)
+        return extend_graphs is None and can
 
     def _use_graphs(self, cuda_graphs: Optional[bool]) -> bool:
         backend = self.runner.backend
