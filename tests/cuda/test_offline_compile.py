@@ -63,3 +63,16 @@ def test_paged_attention_prefill_tiles_pipeline_their_kv_tiles_to_the_stages():
         assert plan["block_m"] == 128 and deeper["stages"] == plan["stages"] + 1, result
         if plan["slots_ahead"]:
             assert deeper["shared_bytes"] - plan["shared_bytes"] >= plan["kv_block_bytes"], (head_dim, result)
+
+
+def test_paged_attention_quantises_each_new_value_of_an_fp8_step_once():
+    """A decode launch storing the step into an FP8 cache quantises a tile of the request's
+    tokens (``NEW_TOKENS``, the most a row block holds), not of its (token, q head) rows: one
+    IEEE division a stored K or V value of the tile, ``2 * tokens * D / threads`` a thread.
+    (A tile of rows quantised each value once per q head of the group: 32 divisions a thread
+    at groups of 4 and 8, the step's fixed cost that made a window layer's FP8 launch as slow
+    as its 16-bit one.)"""
+    result = json.loads(_run(os.path.join(HERE, "paged_store_probe.py")).strip().splitlines()[-1])
+    for group, r in result.items():
+        assert r["tokens"] * int(group) >= r["rows"] and r["tokens"] < r["rows"], result
+        assert r["divisions"] == 2 * r["tokens"] * r["head_dim"] // r["threads"], result

@@ -213,6 +213,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,  # pdl.Schedule, or None
     PF_LINES: tl.constexpr,  # 128-byte lines of one K/V row of a kv head (power of 2)
     LINE_ELEMS: tl.constexpr,  # elements of a 128-byte line
+    NEW_TOKENS: tl.constexpr,  # tokens of the store's tile (a power of 2 >= BLOCK_M // G), 1 without New
 ):
     BLOCK_M: tl.constexpr = PLAN.BLOCK_M
     BLOCK_N: tl.constexpr = PLAN.BLOCK_N
@@ -311,17 +312,20 @@ def _paged_attention_kernel(
     kv_col = offs_d  # in kv head hk's rows of the cache
     if New is not None:
         # Every program of the group stores kv head hk of the request's new rows (the tile
-        # holds all of them: one row block; the first head of each token is its row), then
-        # waits for the CTA's stores before reading the cache. Programs of one group (its KV
-        # splits) write the same bytes, so each reads the new rows whoever wrote last.
-        first = row_valid & (offs_m % G == 0)
-        slot_new = tl.load(New.loc + q_rows, mask=first, other=0).to(tl.int64)
+        # holds all of them: one row block, at most NEW_TOKENS tokens), then waits for the
+        # CTA's stores before reading the cache. Programs of one group (its KV splits) write
+        # the same bytes, so each reads the new rows whoever wrote last. A row of the store's
+        # tile is a token, not a (token, head) row: an FP8 cache quantises each value once.
+        offs_t = tl.arange(0, NEW_TOKENS)
+        t_valid = offs_t < q_len
+        t_rows = (q_start + offs_t).to(tl.int64)
+        slot_new = tl.load(New.loc + t_rows, mask=t_valid, other=0).to(tl.int64)
         # the new rows' loads do not wait for their slots: both round trips overlap
-        ld_mask = first[:, None] & d_valid[None, :]
+        ld_mask = t_valid[:, None] & d_valid[None, :]
         st_mask = ld_mask & ((slot_new >= 1) & (slot_new < num_slots))[:, None]
         new_col = hk * HEAD_DIM + offs_d  # in the new rows (dense heads)
-        kn = tl.load(New.k + q_rows[:, None] * New.stride_k + new_col[None, :], mask=ld_mask)
-        vn = tl.load(New.v + q_rows[:, None] * New.stride_v + new_col[None, :], mask=ld_mask)
+        kn = tl.load(New.k + t_rows[:, None] * New.stride_k + new_col[None, :], mask=ld_mask)
+        vn = tl.load(New.v + t_rows[:, None] * New.stride_v + new_col[None, :], mask=ld_mask)
         if KV_FP8:
             kn = quantize_kv(kn, k_scale, K.dtype.element_ty)
             vn = quantize_kv(vn, v_scale, V.dtype.element_ty)
@@ -525,6 +529,7 @@ def paged_attention(
         PDL=pdl,
         PF_LINES=triton.next_power_of_2(triton.cdiv(D * k_cache.element_size(), 128)),
         LINE_ELEMS=128 // k_cache.element_size(),
+        NEW_TOKENS=1 if new is None else triton.next_power_of_2(max(1, plan.BLOCK_M // G)),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
