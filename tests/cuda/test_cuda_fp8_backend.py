@@ -292,9 +292,10 @@ def test_fp8_steps_keep_their_paths_and_schedules(bs, q_len):
 
 def test_fp8_decode_tiles_cap_their_registers_at_head_dim_128():
     """``paged_attention``'s decode tiles over an FP8 cache: at head dim 128 the 16-bit tiles'
-    64 keys under ``fp8_decode_registers``; below 128 (or uncapped) twice the keys a block (the
-    16-bit tiles' bytes), uncapped; at 256 the 16-bit tiles. Its flash-attention tiles and
-    every 16-bit tile are the same plans, uncapped."""
+    64 keys under ``fp8_decode_registers``, in three pipeline stages (the key table's read two
+    blocks ahead); below 128 (or uncapped) twice the keys a block (the 16-bit tiles' bytes),
+    uncapped, in the 16-bit tiles' stages; at 256 the 16-bit tiles. Its flash-attention tiles
+    and every 16-bit tile are the same plans, uncapped."""
     t = CudaTuning()
     uncapped = dataclasses.replace(t, fp8_decode_registers=None)
     for d in (64, 128, 256):
@@ -303,10 +304,13 @@ def test_fp8_decode_tiles_cap_their_registers_at_head_dim_128():
         assert bf16.max_registers is None
         if d == 128:
             assert (fp8.BLOCK_N, fp8.max_registers) == (bf16.BLOCK_N, t.fp8_decode_registers)
+            assert (fp8.num_stages, bf16.num_stages) == (3, 2)
         else:
             assert (fp8.BLOCK_N, fp8.max_registers) == ((2 if d < 128 else 1) * bf16.BLOCK_N, None)
+            assert fp8.num_stages == bf16.num_stages
         wide = plan_paged(decode._replace(kv_fp8=True), uncapped)
         assert (wide.BLOCK_N, wide.max_registers) == ((2 if d <= 128 else 1) * bf16.BLOCK_N, None)
+        assert wide.num_stages == bf16.num_stages
         extend = LaunchShape(1, 2048, 8, 4, d, 2048, 2048, None, 132)
         assert plan_paged(extend._replace(kv_fp8=True), t) == plan_paged(extend, t)
         assert plan_paged(extend, t).max_registers is None

@@ -371,17 +371,20 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     max_registers = None
     if block_m <= 16:  # decode / short verify: streaming K and V is the whole cost
         block_n = 64 if block_d <= 128 else 32
+        num_warps, num_stages = 4, 2
         if shape.kv_fp8 and block_d <= 128:
             # FP8 blocks are converted in registers. At head dim 128 under the register cap
             # (``fp8_decode_registers``) four programs of 64-key tiles share an SM without
-            # spills, where uncapped tiles of 128 keys (the 16-bit tiles' bytes) fit two.
-            # Otherwise (uncapped, or narrower heads, whose 128-key tiles fit three) 128 keys
-            # a block, the faster uncapped.
+            # spills, where uncapped tiles of 128 keys (the 16-bit tiles' bytes) fit two;
+            # three stages there put the key table's read two blocks ahead of its products
+            # (Triton's pipeliner copies it asynchronously, at no more shared memory): faster
+            # over FP8, slower over 16-bit tiles. Otherwise (uncapped, or narrower heads, whose
+            # 128-key tiles fit three) 128 keys a block, the faster uncapped.
             if block_d == 128 and t.fp8_decode_registers is not None:
                 max_registers = t.fp8_decode_registers
+                num_stages = 3
             else:
                 block_n *= 2
-        num_warps, num_stages = 4, 2
     else:  # flash-attention tiles: 128 rows of 128 keys (64 at head dim 256), half the keys below 128 rows
         block_n = (128 if block_d <= 128 else 64) // (1 if block_m == 128 else 2)
         num_warps, num_stages = max(8 if block_m * block_d >= 128 * 128 else 4, t.min_flash_warps), 2
