@@ -12,22 +12,29 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 from offline_compile import compile_launch, record_launches, resources  # noqa: E402
 
-from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, NewRows  # noqa: E402
+from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, KVScales, NewRows  # noqa: E402
 from attnplug_cuda.kernels.paged_attention import paged_attention  # noqa: E402
 from attnplug_cuda.kernels.pdl import PROLOGUE  # noqa: E402
 from attnplug_cuda.planner import LaunchShape, plan_paged  # noqa: E402
 from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
 
-def _launch(config):
-    bs, hkv, g, d, width, slots = 4, 2, 4, 128, 256, 2048
+def record_decode_launch(config=None, group=4, cache_dtype=torch.bfloat16):
+    """The plan's decode launch over a 256-key window of ``cache_dtype`` (an FP8 dtype: with
+    unit scales), storing the step, with the PDL prologue and ``config``'s plan fields:
+    recorded, not run."""
+    bs, hkv, d, width, slots = 4, 2, 128, 256, 2048
     i32 = dict(dtype=torch.int32)
-    q = torch.zeros(bs, hkv * g, d, dtype=torch.bfloat16)
-    cache = torch.zeros(slots, hkv, d, dtype=torch.bfloat16)
+    q = torch.zeros(bs, hkv * group, d, dtype=torch.bfloat16)
+    cache = torch.zeros(slots, hkv, d, dtype=cache_dtype)
     new = torch.zeros(bs, hkv, d, dtype=torch.bfloat16)
-    plan = plan_paged(LaunchShape(bs, bs, hkv, g, d, 1, 300, width, 132), CudaTuning())._replace(**(config or {}))
+    fp8 = cache_dtype.itemsize == 1
+    shape = LaunchShape(bs, bs, hkv, group, d, 1, 300, width, 132, fp8)
+    plan = plan_paged(shape, CudaTuning())._replace(**(config or {}))
     keys = KeyTable.of(torch.ones(bs, width, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
-    inputs = AttentionInputs(torch.arange(bs + 1, **i32), torch.full((bs,), 300, **i32), keys, 1, window=width)
+    scales = KVScales.of(torch.ones(hkv), torch.ones(hkv)) if fp8 else None
+    inputs = AttentionInputs(torch.arange(bs + 1, **i32), torch.full((bs,), 300, **i32), keys, 1, window=width,
+                             kv_scales=scales)  # fmt: skip
     with record_launches() as launches:
         new_rows = NewRows.of(new, new, torch.arange(1, bs + 1, **i32))
         paged_attention(q, cache, cache, torch.empty_like(q), inputs, plan, new=new_rows, pdl=PROLOGUE)
@@ -38,7 +45,7 @@ def _launch(config):
 def main() -> int:
     result = {}
     for label, config in (("0", {"PREFETCH": 0}), ("1", {"PREFETCH": 1}), ("2", {"PREFETCH": 2}), ("plan", None)):
-        launch = _launch(config)
+        launch = record_decode_launch(config)
         compiled = compile_launch(launch)
         ptx = compiled.asm["ptx"].splitlines()
         wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)

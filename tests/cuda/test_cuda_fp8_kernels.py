@@ -170,6 +170,8 @@ PAGED_CASES = {
         dict(H=8, Hkv=2, D=128, dtype=torch.bfloat16, layer="swa", window=16, store=True),
     ),
     "drafts-store-swa": ([4, 4, 4], [13, PAD, 30], dict(H=8, Hkv=2, D=64, layer="swa", window=5, store=True)),
+    # a group of 3: up to 5 tokens (15 rows) a request, stored from a tile of 8 tokens
+    "drafts-store-group3": ([5, 3, 1], [20, 9, 40], dict(H=6, Hkv=2, D=64, layer="swa", window=8, store=True)),
     # split KV: partials scaled per kv head, merged by the combine kernel (sinks once there)
     "decode-splits-combine": (
         [1, 1, 2],

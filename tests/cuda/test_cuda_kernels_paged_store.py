@@ -26,6 +26,7 @@ STORE_CASES = [
     ([1, 1, 2], [PAD, 80, 45], 8, 2, 64, torch.float16, "full", None, {"NUM_SPLITS": 3, "BLOCK_N": 16}),
     ([1, 2, 1], [33, 45, 80], 8, 2, 64, torch.float16, "swa", 50, {"NUM_SPLITS": 4, "BLOCK_N": 16}),
     ([2, 1], [9, 20], 4, 2, 64, torch.float32, "swa", 6, None),
+    ([5, 3, 1], [20, 9, 40], 6, 2, 64, torch.bfloat16, "swa", 8, None),  # group 3: a tile of 8 tokens stores 5
 ]
 
 

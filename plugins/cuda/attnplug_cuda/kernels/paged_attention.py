@@ -53,9 +53,10 @@ before its wait, and a program sends its first ``PREFETCH`` key blocks' cached K
 without a key prefetch the kv head's first line, inside the cache).
 
 Storing the step (``loc``, decode and draft steps whose rows fit one tile): every program
-first stores kv head ``hk`` of its request's new K/V rows (the programs of one group's KV
-splits write the same bytes), then a CTA barrier orders those stores before its reads of the
-cache, so the layer needs no KV store launch; the cache and the output are those of
+first stores kv head ``hk`` of its request's new K/V rows from a tile of its tokens (not of
+its (token, q head) rows: an FP8 cache quantises each value once), the programs of one
+group's KV splits writing the same bytes, then a CTA barrier orders those stores before its
+reads of the cache, so the layer needs no KV store launch; the cache and the output are those of
 ``kv_store`` followed by this kernel (an FP8 cache: the rows stored quantised, and read back
 as every other key).
 """
