@@ -12,6 +12,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 from offline_compile import compile_launch, record_launches, resources  # noqa: E402
 
+from attnplug.memory.fp8 import is_fp8  # noqa: E402
 from attnplug_cuda.kernels.common import AttentionInputs, KeyTable, KVScales, NewRows  # noqa: E402
 from attnplug_cuda.kernels.paged_attention import paged_attention  # noqa: E402
 from attnplug_cuda.kernels.pdl import PROLOGUE  # noqa: E402
@@ -28,7 +29,7 @@ def record_decode_launch(config=None, group=4, cache_dtype=torch.bfloat16):
     q = torch.zeros(bs, hkv * group, d, dtype=torch.bfloat16)
     cache = torch.zeros(slots, hkv, d, dtype=cache_dtype)
     new = torch.zeros(bs, hkv, d, dtype=torch.bfloat16)
-    fp8 = cache_dtype.itemsize == 1
+    fp8 = is_fp8(cache_dtype)
     shape = LaunchShape(bs, bs, hkv, group, d, 1, 300, width, 132, fp8)
     plan = plan_paged(shape, CudaTuning())._replace(**(config or {}))
     keys = KeyTable.of(torch.ones(bs, width, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))

@@ -315,8 +315,7 @@ def _paged_attention_kernel(
         # Every program of the group stores kv head hk of the request's new rows (the tile
         # holds all of them: one row block, at most NEW_TOKENS tokens), then waits for the
         # CTA's stores before reading the cache. Programs of one group (its KV splits) write
-        # the same bytes, so each reads the new rows whoever wrote last. A row of the store's
-        # tile is a token, not a (token, head) row: an FP8 cache quantises each value once.
+        # the same bytes, so each reads the new rows whoever wrote last (module docstring).
         offs_t = tl.arange(0, NEW_TOKENS)
         t_valid = offs_t < q_len
         t_rows = (q_start + offs_t).to(tl.int64)
