@@ -237,7 +237,8 @@ def test_rocm_serves_e5m2_only_and_says_why(monkeypatch):
         World(dataclasses.replace(SPEC, kv_cache_dtype=torch.float8_e4m3fn), CudaBackend, DEVICE)
     ops = CudaBackend.paged_ops(torch.device(DEVICE))
     assert ops.fp8_kv_dtypes == (torch.float8_e5m2,)
-    assert CudaBackend.device_part.default_tuning().fp8_decode_registers is None  # an NVIDIA option
+    rocm = CudaBackend.device_part.default_tuning()
+    assert rocm.fp8_decode_registers is None and not rocm.fp8_ptx_convert  # NVIDIA options
     cache = torch.zeros(4, 2, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
     k = torch.zeros(1, 2, 16, dtype=torch.float16, device=DEVICE)
     one = torch.ones(1, device=DEVICE)
@@ -314,6 +315,30 @@ def test_fp8_decode_tiles_cap_their_registers_at_head_dim_128():
         extend = LaunchShape(1, 2048, 8, 4, d, 2048, 2048, None, 132)
         assert plan_paged(extend._replace(kv_fp8=True), t) == plan_paged(extend, t)
         assert plan_paged(extend, t).max_registers is None
+
+
+def test_fp8_decode_tiles_convert_by_ptx_and_one_token_tiles_mask_no_position():
+    """``paged_attention``'s decode tiles over an FP8 cache convert their K/V tiles by PTX
+    (``FP8_PTX``: every head dim; not the flash tiles, not 16-bit caches, not where the tuning
+    turns it off: XPU's and ROCm's defaults); decode tiles whose requests have one new token
+    (``ONE_TOKEN``) mask no key by position, over any cache; drafts and extends do."""
+    from attnplug_xpu.device import xpu_tuning
+
+    t = CudaTuning()
+    assert t.fp8_ptx_convert and CudaBackend.device_part.default_tuning().fp8_ptx_convert
+    assert not xpu_tuning().fp8_ptx_convert
+    off = dataclasses.replace(t, fp8_ptx_convert=False)
+    for d in (64, 128, 256):
+        decode = LaunchShape(64, 64, 8, 4, d, 1, 1024, None, 132)
+        draft = decode._replace(num_tokens=256, max_q_len=4)
+        extend = LaunchShape(1, 2048, 8, 4, d, 2048, 2048, None, 132)
+        for shape in (decode, draft, extend):
+            assert not plan_paged(shape, t).FP8_PTX
+            assert not plan_paged(shape._replace(kv_fp8=True), off).FP8_PTX
+            fp8 = plan_paged(shape._replace(kv_fp8=True), t)
+            assert fp8.FP8_PTX == (shape.max_q_len * shape.group <= 16)
+            for kv_fp8 in (False, True):
+                assert plan_paged(shape._replace(kv_fp8=kv_fp8), t).ONE_TOKEN == (shape.max_q_len == 1)
 
 
 def test_fp8_register_cap_reaches_the_launch_and_is_an_nvidia_option(monkeypatch):

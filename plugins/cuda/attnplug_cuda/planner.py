@@ -92,9 +92,11 @@ class PagedPlan(NamedTuple):
     (the blocks every row sees whole in an unmasked loop of their own), ``PREFETCH`` (key
     blocks whose cached K/V lines go to L2 before a PDL prologue's wait), the launch's
     ``num_warps`` / ``num_stages``, ``max_registers`` (a thread's register cap, Triton's
-    ``maxnreg``; None: the compiler's choice) and ``SLOTS_AHEAD`` (with ``PHASES``: each key
+    ``maxnreg``; None: the compiler's choice), ``SLOTS_AHEAD`` (with ``PHASES``: each key
     block's slots read from the key table one block ahead, so the K/V tiles pipeline to
-    ``num_stages``)."""
+    ``num_stages``), ``FP8_PTX`` (an FP8 cache's K/V tiles converted to float16 by PTX where
+    they are loaded: ``common.product_tile``) and ``ONE_TOKEN`` (decode tiles whose requests
+    have one new token each: no key of their range is masked by position)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -105,6 +107,8 @@ class PagedPlan(NamedTuple):
     num_stages: int
     max_registers: Optional[int] = None
     SLOTS_AHEAD: bool = False
+    FP8_PTX: bool = False
+    ONE_TOKEN: bool = False
 
 
 @dataclass(frozen=True)
@@ -416,6 +420,11 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         # Flash tiles of head dims up to 128 read their slots ahead (faster at 128,
         # docs/benchmarks.md "Prefill"); at 256, measured slower that way, in the block's iteration.
         SLOTS_AHEAD=block_m > 16 and block_d <= 128,
+        # Decode tiles over an FP8 cache take their K/V tiles to the products as 16-bit tiles
+        # (``fp8_ptx_convert``; docs/benchmarks.md, "The FP8 decode tiles"); the flash tiles,
+        # at 255 registers over 16-bit tiles, keep Triton's cast (not measured the other way).
+        FP8_PTX=shape.kv_fp8 and block_m <= 16 and t.fp8_ptx_convert,
+        ONE_TOKEN=block_m <= 16 and max_q_len <= 1,
     )
 
 

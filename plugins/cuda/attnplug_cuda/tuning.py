@@ -94,6 +94,12 @@ class CudaTuning:
     #: registers (2 programs an SM); at 128 they hold 64-key blocks without spills (4
     #: programs an SM). An NVIDIA compile option: other devices' defaults have None
     fp8_decode_registers: Optional[int] = 128
+    #: ``paged_attention``'s FP8 decode tiles convert their K/V tiles to float16 by inline PTX
+    #: where they are loaded (``common.product_tile``), so they reach the products as 16-bit
+    #: tiles through shared memory instead of being read a byte at a time there. An NVIDIA
+    #: compile option: other devices' defaults have False (the interpreter, which runs no PTX,
+    #: converts with Triton's cast: the same values)
+    fp8_ptx_convert: bool = True
 
     # the device's tiles (``TritonDevicePart.default_tuning``: other devices other defaults)
     #: the widest key block of any plan (a power of two >= 16)

@@ -46,10 +46,15 @@ def xpu_tuning() -> CudaTuning:
     blocks of at most 64 keys and at least 8 warps for the flash-attention tiles (Intel's
     guidance for its Triton backend: narrow key blocks loaded by 2D block loads into DPAS,
     more sub-groups per tile; docs/xpu.md). The planner's other bounds are the CUDA ones,
-    with Xe-cores in the place of SMs and no register cap (an NVIDIA compile option); to be
-    retuned on hardware."""
+    with Xe-cores in the place of SMs, no register cap and no PTX (NVIDIA compile options);
+    to be retuned on hardware."""
     return dataclasses.replace(
-        CudaTuning.from_env(), pdl=False, max_block_n=64, min_flash_warps=8, fp8_decode_registers=None
+        CudaTuning.from_env(),
+        pdl=False,
+        max_block_n=64,
+        min_flash_warps=8,
+        fp8_decode_registers=None,
+        fp8_ptx_convert=False,
     )
 
 

@@ -210,6 +210,33 @@ def quantize_kv(x, scale, FP8: tl.constexpr):
 
 
 @triton.jit
+def product_tile(x, dtype, PTX: tl.constexpr):
+    """A loaded K/V tile ``x`` as the products' ``dtype`` (exact for an FP8 tile).
+
+    With ``PTX``, an FP8 tile bound for float16 products is converted by inline PTX, four
+    elements a call: ``cvt.rn.f16x2.e4m3x2`` a pair for e4m3 (compute capability >= 8.9, where
+    an e4m3 cache runs at all), byte moves for e5m2 (the high byte of a float16, ``prmt``).
+    The PTX is declared impure so that Triton leaves it where the tile is loaded: the tile
+    then reaches the products as a 16-bit tile through shared memory (``ldmatrix``, transposed
+    for V). Triton's own cast is an elementwise op that it moves to the products' operand
+    layout, which reads the FP8 tile from shared memory a byte at a time for V (whose operand
+    pairs run along the keys, rows 128 bytes apart at head dim 128) and K's fragments in an
+    order that costs register moves. Otherwise (other devices, the interpreter, other dtypes):
+    Triton's cast."""
+    if PTX and x.dtype.is_fp8() and dtype == tl.float16:
+        if x.dtype == tl.float8e4nv:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4
+            )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4
+        )  # fmt: skip
+    return x.to(dtype)
+
+
+@triton.jit
 def table_entry(keys, b):
     """Request ``b``'s row index in the key table and its ``start`` (0 without one)."""
     t_idx = tl.load(keys.rows + b).to(tl.int64)
