@@ -421,8 +421,9 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         # docs/benchmarks.md "Prefill"); at 256, measured slower that way, in the block's iteration.
         SLOTS_AHEAD=block_m > 16 and block_d <= 128,
         # Decode tiles over an FP8 cache take their K/V tiles to the products as 16-bit tiles
-        # (``fp8_ptx_convert``; docs/benchmarks.md, "The FP8 decode tiles"); the flash tiles,
-        # at 255 registers over 16-bit tiles, keep Triton's cast (not measured the other way).
+        # (``fp8_ptx_convert``; docs/benchmarks.md, "The FP8 decode tiles"). The flash tiles'
+        # products read 16-bit tiles from shared memory either way (compiled for sm_90, the
+        # 128 x 128 tiles at head dim 128 are the same code with and without the PTX).
         FP8_PTX=shape.kv_fp8 and block_m <= 16 and t.fp8_ptx_convert,
         ONE_TOKEN=block_m <= 16 and max_q_len <= 1,
     )
