@@ -410,8 +410,30 @@ def test_fp8_store_attend_blocks_fit_the_registers(head_dim, bs, max_kv_len, win
     assert plan8.ROWS == plan16.ROWS and plan8.OWN_BLOCK == plan16.OWN_BLOCK
     decode = draft._replace(num_tokens=bs, max_q_len=1)
     # with FP8 keys counted as 16-bit ones in the split bounds, the very plan of a 16-bit cache
+    # (but for its tiles' conversion)
     one = dataclasses.replace(t, fp8_split_keys_factor=1)
-    assert plan_one_launch(decode._replace(kv_fp8=True), one) == plan_one_launch(decode, one)
+    assert plan_one_launch(decode._replace(kv_fp8=True), one)._replace(FP8_PTX=False) == plan_one_launch(decode, one)
+
+
+def test_fp8_store_attend_tiles_convert_by_ptx_but_a_large_first_block_laid_out_before_the_wait():
+    """``store_attend`` over an FP8 cache converts its K/V tiles by PTX into float16 products
+    (``OneLaunchPlan.FP8_PTX``), decode and drafts, but where a decode step lays out a first
+    block of 128 x 128 before the wait (compiled for sm_90 by Triton 3.9 that spills); never
+    over 16-bit caches or where the tuning turns it off."""
+    t = CudaTuning()
+    off = dataclasses.replace(t, fp8_ptx_convert=False)
+    seen = set()
+    for bs in (1, 8, 32, 200):
+        for max_q_len in (1, 4):
+            for d in (64, 128, 256):
+                shape = LaunchShape(bs, bs * max_q_len, 8, 4, d, max_q_len, 1024, None, 132)
+                assert not plan_one_launch(shape, t).FP8_PTX
+                assert not plan_one_launch(shape._replace(kv_fp8=True), off).FP8_PTX
+                plan = plan_one_launch(shape._replace(kv_fp8=True), t)
+                large_first = plan.OWN_BLOCK and plan.BLOCK_N * d >= 128 * 128
+                assert plan.FP8_PTX == (not large_first), (bs, max_q_len, d, plan)
+                seen.add(plan.FP8_PTX)
+    assert seen == {True, False}
 
 
 def test_tuning_checks_its_fp8_fields():

@@ -74,7 +74,9 @@ class OneLaunchPlan(NamedTuple):
     ``NUM_SPLITS``: KV splits of a group (a power of two); ``MERGE_CHUNK``: splits merged a
     trip (divides ``NUM_SPLITS``); ``OWN_BLOCK``: the first key block laid out for the
     products before the PDL wait, the step's own keys folded in after the cached ones;
-    ``num_warps`` / ``num_stages``: the launch's."""
+    ``num_warps`` / ``num_stages``: the launch's; ``FP8_PTX``: a half q and an FP8 cache's K/V
+    tiles meet in float16 products, the tiles converted by PTX where they are loaded
+    (``common.product_tile``)."""
 
     ROWS: int
     TOKENS: int
@@ -84,6 +86,7 @@ class OneLaunchPlan(NamedTuple):
     OWN_BLOCK: bool
     num_warps: int
     num_stages: int
+    FP8_PTX: bool = False
 
 
 class PagedPlan(NamedTuple):
@@ -338,6 +341,7 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     warps = 8 if big and not (crowded or paired) else 4
     if big:
         warps = max(warps, t.min_flash_warps)
+    own_block = decode and groups <= num_sms
     return OneLaunchPlan(
         ROWS=rows,
         TOKENS=_pow2(max(1, max_q_len)),
@@ -346,9 +350,13 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
         MERGE_CHUNK=max(1, min(splits, t.merge_rows // rows)),
         # Decode steps of up to one group an SM lay their first key block out for the
         # products before the wait and fold the step's own key in as a vector afterwards.
-        OWN_BLOCK=decode and groups <= num_sms,
+        OWN_BLOCK=own_block,
         num_warps=warps,
         num_stages=stages,
+        # FP8 tiles by PTX (``fp8_ptx_convert``), but for a first block of 128 x 128 laid out
+        # before the wait: compiled for sm_90 by Triton 3.9 it spills 232-240 bytes that way
+        # (none under 3.6, 80 with Triton's cast)
+        FP8_PTX=shape.kv_fp8 and t.fp8_ptx_convert and not (own_block and block_n * block_d >= 128 * 128),
     )
 
 

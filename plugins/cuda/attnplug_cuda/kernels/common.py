@@ -22,10 +22,11 @@ that says how.
   scales, ``KVScales``): whether a cache is FP8 is a constexpr of each kernel, read off the
   cache's element type, so an unquantised cache compiles no scale load and no quantisation.
   Stores quantise with ``quantize_kv`` (the one rule, bit for bit); K/V tiles are loaded as
-  FP8 and converted in registers (exact: every FP8 value is a float16, bfloat16 and float32
-  value): in ``paged_attention`` to float16 for a half-precision q, which meets them in
-  float16 products (q converted once a program; a q beyond float16's range, 65504, is not
-  served over an FP8 cache), else to float32; in ``store_attend`` to q's dtype. Attention
+  FP8 and converted (exact: every FP8 value is a float16, bfloat16 and float32 value; by PTX
+  where the plan says ``FP8_PTX``: ``product_tile``): in ``paged_attention`` to float16 for a
+  half-precision q, which meets them in float16 products (q converted once a program; a q
+  beyond float16's range, 65504, is not served over an FP8 cache), else to float32; in
+  ``store_attend`` the same with ``FP8_PTX``, to q's dtype without it. Attention
   never multiplies a key or a value by its scale: a program serves one KV head ``h``, so
   ``k_scale[h]`` joins the logit scale (``s = (sm_scale * k_scale[h]) * q.c``, soft cap
   applied to that dequantised logit) and

@@ -86,6 +86,7 @@ from .common import (
     log2_scales,
     pdl_release,
     pdl_wait,
+    product_tile,
     quantize_kv,
     scaled_logits,
     softmax_block,
@@ -93,7 +94,7 @@ from .common import (
     table_row,
     tanh,
 )
-from .interpret import ensure_interpreter_compat
+from .interpret import ensure_interpreter_compat, interpreting
 from .pdl import Schedule, launch_options
 
 __all__ = ["store_attend"]
@@ -201,6 +202,7 @@ def _store_attend_kernel(
     BLOCK_D: tl.constexpr,
     PLAN: tl.constexpr,  # planner.OneLaunchPlan
     PDL: tl.constexpr,  # pdl.Schedule, or None
+    PTX: tl.constexpr,  # PLAN.FP8_PTX where the kernel is compiled (the interpreter runs no PTX)
 ):
     ROWS: tl.constexpr = PLAN.ROWS
     BLOCK_M: tl.constexpr = 16 if ROWS < 16 else ROWS
@@ -211,7 +213,11 @@ def _store_attend_kernel(
     STORE: tl.constexpr = New is not None
     PRECISION: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
     KV_FP8: tl.constexpr = K.dtype.element_ty.is_fp8()  # the cache stores FP8 (common)
-    QTY: tl.constexpr = Q.dtype.element_ty  # the products' dtype: an FP8 tile converts to it, exactly
+    # the products' dtype: q's, or float16 for a half q over an FP8 cache with ``FP8_PTX`` (an
+    # FP8 tile converts to it exactly: ``common.product_tile``; q once, below 65504 in magnitude)
+    QTY: tl.constexpr = (
+        tl.float16 if KV_FP8 and PLAN.FP8_PTX and Q.dtype.element_ty != tl.float32 else Q.dtype.element_ty
+    )
     # The step's own keys come after the cached ones, from a small tile of their own: with
     # OWN_BLOCK, and wherever an FP8 step stores (its own rows, read from k / v, are quantised
     # there: a few rows, never a whole key block).
@@ -277,8 +283,8 @@ def _store_attend_kernel(
         # the first block holds cached keys only: its operands go into the products' layouts
         # now (products with zeros, exact), and the step's own keys come after the others
         # (an FP8 cache's tiles converted first, exactly)
-        k_old = k_old.to(QTY)
-        v_old = v_old.to(QTY)
+        k_old = product_tile(k_old, QTY, PTX)
+        v_old = product_tile(v_old, QTY, PTX)
         s_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_D], dtype=k_old.dtype), tl.trans(k_old), input_precision=PRECISION)
         o_pre = tl.dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=v_old.dtype), v_old, input_precision=PRECISION)
     if OWN_APART:
@@ -320,7 +326,7 @@ def _store_attend_kernel(
     # (heads in 64 bits: q and out may be head-major views of more than 2**31 elements)
     head64 = head.to(tl.int64)
     q_off = q_rows[:, None] * stride_qt + head64[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=rd_mask, other=0.0)
+    q = tl.load(Q + q_off, mask=rd_mask, other=0.0).to(QTY)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if OWN_APART:  # the first block: cached keys only
@@ -328,7 +334,12 @@ def _store_attend_kernel(
         if PLAN.OWN_BLOCK:  # as laid out before the wait
             k, v, acc, qk0 = k_old, v_old, o_pre, s_pre
         else:
-            k, v, acc, qk0 = k_old.to(QTY), v_old.to(QTY), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), None
+            k, v, acc, qk0 = (
+                product_tile(k_old, QTY, PTX),
+                product_tile(v_old, QTY, PTX),
+                tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+                None,
+            )
         if BLOCK_T == 1:  # decode: the own key's row, loaded with q (nothing where no split holds it)
             o_mask1 = offs_d < tl.where(o_here, HEAD_DIM, 0)  # (not ``d_valid & o_here``: a scalar mask
             # broadcast that Triton's interpreter turns into integers)
@@ -363,8 +374,8 @@ def _store_attend_kernel(
             k = tl.load(New.k + n_row[:, None] * New.stride_k + kv_col[None, :], mask=new_mask, other=k_old)
             v = tl.load(New.v + n_row[:, None] * New.stride_v + kv_col[None, :], mask=new_mask, other=v_old)
         else:
-            k = tl.load(K + kv_off, mask=new_mask, other=k_old).to(QTY)
-            v = tl.load(V + kv_off, mask=new_mask, other=v_old).to(QTY)
+            k = product_tile(tl.load(K + kv_off, mask=new_mask, other=k_old), QTY, PTX)
+            v = product_tile(tl.load(V + kv_off, mask=new_mask, other=v_old), QTY, PTX)
     # fmt: off
     m_i, l_i, acc = _online_block(
         q, k, v, first_key, offs_n, in_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, window, qk0
@@ -386,8 +397,8 @@ def _store_attend_kernel(
         else:
             k_ptr = K + kv_off
             v_ptr = V + kv_off
-        k = tl.load(k_ptr, mask=kv_mask, other=0.0).to(QTY)
-        v = tl.load(v_ptr, mask=kv_mask, other=0.0).to(QTY)
+        k = product_tile(tl.load(k_ptr, mask=kv_mask, other=0.0), QTY, PTX)
+        v = product_tile(tl.load(v_ptr, mask=kv_mask, other=0.0), QTY, PTX)
         # fmt: off
         m_i, l_i, acc = _online_block(
             q, k, v, has_key, offs_n, in_range, pos, lo, m_i, l_i, acc, qk_scale, softcap_log2, window
@@ -521,6 +532,7 @@ def store_attend(
         BLOCK_D=triton.next_power_of_2(D),
         PLAN=plan,
         PDL=pdl,
+        PTX=plan.FP8_PTX and not interpreting(),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
