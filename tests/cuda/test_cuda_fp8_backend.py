@@ -339,6 +339,11 @@ def test_fp8_decode_tiles_convert_by_ptx_and_one_token_tiles_mask_no_position():
             assert fp8.FP8_PTX == (shape.max_q_len * shape.group <= 16)
             for kv_fp8 in (False, True):
                 assert plan_paged(shape._replace(kv_fp8=kv_fp8), t).ONE_TOKEN == (shape.max_q_len == 1)
+    # a tile of fewer than four elements a thread (the PTX's unit) keeps Triton's cast
+    narrow = dataclasses.replace(t, max_block_n=16)
+    tiny = LaunchShape(64, 64, 8, 4, 16, 1, 1024, None, 132, True)
+    assert plan_paged(tiny, t).FP8_PTX and not plan_paged(tiny, narrow).FP8_PTX
+    assert plan_one_launch(tiny._replace(num_reqs=1, num_tokens=1), narrow).FP8_PTX is False
 
 
 def test_fp8_register_cap_reaches_the_launch_and_is_an_nvidia_option(monkeypatch):

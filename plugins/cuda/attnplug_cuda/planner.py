@@ -356,7 +356,7 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
         # FP8 tiles by PTX (``fp8_ptx_convert``), but for a first block of 128 x 128 laid out
         # before the wait: compiled for sm_90 by Triton 3.9 it spills 232-240 bytes that way
         # (none under 3.6, 80 with Triton's cast)
-        FP8_PTX=shape.kv_fp8 and t.fp8_ptx_convert and not (own_block and block_n * block_d >= 128 * 128),
+        FP8_PTX=_ptx_tiles(shape, t, block_n, block_d, warps) and not (own_block and block_n * block_d >= 128 * 128),
     )
 
 
@@ -372,6 +372,13 @@ def one_launch_workspace_numel(head_dim: int, num_sms: int, tuning: CudaTuning) 
 
 # ----------------------------------------------------------------------------- paged_attention
 @functools.lru_cache(maxsize=4096)
+def _ptx_tiles(shape: LaunchShape, tuning: CudaTuning, block_n: int, block_d: int, num_warps: int) -> bool:
+    """Whether a launch's FP8 K/V tiles are converted by PTX (``common.product_tile``): an FP8
+    cache, the tuning's ``fp8_ptx_convert``, and at least four elements a thread a tile (the
+    conversion's unit)."""
+    return shape.kv_fp8 and tuning.fp8_ptx_convert and block_n * block_d >= 4 * 32 * num_warps
+
+
 def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     """``paged_attention``'s plan: tiles, warps, stages, KV splits, loop shape and prefetch
     depth for one launch shape."""
@@ -432,7 +439,7 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         # (``fp8_ptx_convert``; docs/benchmarks.md, "The FP8 decode tiles"). The flash tiles'
         # products read 16-bit tiles from shared memory either way (compiled for sm_90, the
         # 128 x 128 tiles at head dim 128 are the same code with and without the PTX).
-        FP8_PTX=shape.kv_fp8 and block_m <= 16 and t.fp8_ptx_convert,
+        FP8_PTX=block_m <= 16 and _ptx_tiles(shape, t, block_n, block_d, num_warps),
         ONE_TOKEN=block_m <= 16 and max_q_len <= 1,
     )
 
