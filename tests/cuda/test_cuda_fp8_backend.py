@@ -317,33 +317,17 @@ def test_fp8_decode_tiles_cap_their_registers_at_head_dim_128():
         assert plan_paged(extend, t).max_registers is None
 
 
-def test_fp8_decode_tiles_convert_by_ptx_and_one_token_tiles_mask_no_position():
-    """``paged_attention``'s decode tiles over an FP8 cache convert their K/V tiles by PTX
-    (``FP8_PTX``: every head dim; not the flash tiles, not 16-bit caches, not where the tuning
-    turns it off: XPU's and ROCm's defaults); decode tiles whose requests have one new token
-    (``ONE_TOKEN``) mask no key by position, over any cache; drafts and extends do."""
-    from attnplug_xpu.device import xpu_tuning
-
+def test_paged_decode_tiles_of_one_token_mask_no_position():
+    """``paged_attention``'s decode tiles whose requests have one new token (``ONE_TOKEN``)
+    mask no key by position, over any cache; drafts and extends do."""
     t = CudaTuning()
-    assert t.fp8_ptx_convert and CudaBackend.device_part.default_tuning().fp8_ptx_convert
-    assert not xpu_tuning().fp8_ptx_convert
-    off = dataclasses.replace(t, fp8_ptx_convert=False)
     for d in (64, 128, 256):
         decode = LaunchShape(64, 64, 8, 4, d, 1, 1024, None, 132)
         draft = decode._replace(num_tokens=256, max_q_len=4)
         extend = LaunchShape(1, 2048, 8, 4, d, 2048, 2048, None, 132)
         for shape in (decode, draft, extend):
-            assert not plan_paged(shape, t).FP8_PTX
-            assert not plan_paged(shape._replace(kv_fp8=True), off).FP8_PTX
-            fp8 = plan_paged(shape._replace(kv_fp8=True), t)
-            assert fp8.FP8_PTX == (shape.max_q_len * shape.group <= 16)
             for kv_fp8 in (False, True):
                 assert plan_paged(shape._replace(kv_fp8=kv_fp8), t).ONE_TOKEN == (shape.max_q_len == 1)
-    # a tile of fewer than four elements a thread (the PTX's unit) keeps Triton's cast
-    narrow = dataclasses.replace(t, max_block_n=16)
-    tiny = LaunchShape(64, 64, 8, 4, 16, 1, 1024, None, 132, True)
-    assert plan_paged(tiny, t).FP8_PTX and not plan_paged(tiny, narrow).FP8_PTX
-    assert plan_one_launch(tiny._replace(num_reqs=1, num_tokens=1), narrow).FP8_PTX is False
 
 
 def test_fp8_register_cap_reaches_the_launch_and_is_an_nvidia_option(monkeypatch):
@@ -423,8 +407,11 @@ def test_fp8_store_attend_blocks_fit_the_registers(head_dim, bs, max_kv_len, win
 def test_fp8_store_attend_tiles_convert_by_ptx_but_a_large_first_block_laid_out_before_the_wait():
     """``store_attend`` over an FP8 cache converts its K/V tiles by PTX into float16 products
     (``OneLaunchPlan.FP8_PTX``), decode and drafts, but where a decode step lays out a first
-    block of 128 x 128 before the wait (compiled for sm_90 by Triton 3.9 that spills); never
-    over 16-bit caches or where the tuning turns it off."""
+    block of 128 x 128 before the wait (compiled for sm_90 by Triton 3.9 that spills) or a
+    tile holds fewer than four elements a thread; never over 16-bit caches or where the tuning
+    turns it off (XPU's and ROCm's defaults)."""
+    from attnplug_xpu.device import xpu_tuning
+
     t = CudaTuning()
     off = dataclasses.replace(t, fp8_ptx_convert=False)
     seen = set()
@@ -439,6 +426,12 @@ def test_fp8_store_attend_tiles_convert_by_ptx_but_a_large_first_block_laid_out_
                 assert plan.FP8_PTX == (not large_first), (bs, max_q_len, d, plan)
                 seen.add(plan.FP8_PTX)
     assert seen == {True, False}
+    assert t.fp8_ptx_convert and CudaBackend.device_part.default_tuning().fp8_ptx_convert
+    assert not xpu_tuning().fp8_ptx_convert
+    # a tile of fewer than four elements a thread (the PTX's unit) keeps Triton's cast
+    tiny = LaunchShape(1, 1, 8, 4, 16, 1, 1024, None, 132, True)
+    assert plan_one_launch(tiny, t).FP8_PTX
+    assert not plan_one_launch(tiny, dataclasses.replace(t, max_block_n=16)).FP8_PTX
 
 
 def test_tuning_checks_its_fp8_fields():

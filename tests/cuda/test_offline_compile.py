@@ -79,21 +79,19 @@ def test_paged_attention_quantises_each_new_value_of_an_fp8_step_once():
 
 
 def test_fp8_decode_tiles_reach_the_products_as_16_bit_tiles():
-    """Over an FP8 cache (both dtypes) the plans' decode tiles of ``paged_attention`` and
-    ``store_attend`` convert K and V to float16 by PTX where they are loaded (``FP8_PTX``,
-    ``common.product_tile``): no byte is read from shared memory and the tiles reach the
-    products through ``ldmatrix``, V's transposed. (With Triton's cast, V's operand pairs, which
-    run along the keys, were read a byte at a time: 64 ``ld.shared.b8`` a thread a key block
-    in ``paged_attention``, 128 in ``store_attend``.) ``paged_attention``'s decode tiles of one
-    token a request (``ONE_TOKEN``) mask no key by position: fewer compares than the masked
-    loop, and fewer registers than with the cast."""
+    """Over an FP8 cache (both dtypes) ``store_attend``'s planned decode tiles convert K and V
+    to float16 by PTX where they are loaded (``OneLaunchPlan.FP8_PTX``, ``common.product_tile``):
+    no byte is read from shared memory and the tiles reach the products through ``ldmatrix``,
+    V's transposed. (With Triton's cast, V's operand pairs, which run along the keys, are read
+    a byte at a time: 128 ``ld.shared.b8`` a thread a 128-key block.) ``paged_attention``'s
+    decode tiles of one token a request (``PagedPlan.ONE_TOKEN``) mask no key by position:
+    fewer compares and registers than the masked loop."""
     result = json.loads(_run(os.path.join(HERE, "fp8_tile_probe.py")).strip().splitlines()[-1])
     for dtype in ("float8_e4m3fn", "float8_e5m2"):
-        for kernel in ("paged", "store_attend"):
-            plan, cast = result[f"{kernel} {dtype} plan"], result[f"{kernel} {dtype} cast"]
-            assert plan["fp8_ptx"] and not cast["fp8_ptx"], result
-            assert plan["byte_loads"] == 0 and cast["byte_loads"] > 0, result
-            assert plan["ldmatrix_trans"] > 0 and plan["ldmatrix"] > cast["ldmatrix"], result
-        plan, cast, masked = (result[f"paged {dtype} {label}"] for label in ("plan", "cast", "masked"))
+        plan, cast = result[f"store_attend {dtype} plan"], result[f"store_attend {dtype} cast"]
+        assert plan["fp8_ptx"] and not cast["fp8_ptx"], result
+        assert plan["byte_loads"] == 0 and cast["byte_loads"] > 0, result
+        assert plan["ldmatrix_trans"] > 0 and plan["ldmatrix"] > cast["ldmatrix"], result
+        plan, masked = result[f"paged {dtype} plan"], result[f"paged {dtype} masked"]
         assert plan["one_token"] and not masked["one_token"], result
-        assert plan["compares"] < masked["compares"] and plan["registers"] <= cast["registers"], result
+        assert plan["compares"] < masked["compares"] and plan["registers"] <= masked["registers"], result

@@ -97,9 +97,8 @@ class PagedPlan(NamedTuple):
     ``num_warps`` / ``num_stages``, ``max_registers`` (a thread's register cap, Triton's
     ``maxnreg``; None: the compiler's choice), ``SLOTS_AHEAD`` (with ``PHASES``: each key
     block's slots read from the key table one block ahead, so the K/V tiles pipeline to
-    ``num_stages``), ``FP8_PTX`` (an FP8 cache's K/V tiles converted to float16 by PTX where
-    they are loaded: ``common.product_tile``) and ``ONE_TOKEN`` (decode tiles whose requests
-    have one new token each: no key of their range is masked by position)."""
+    ``num_stages``) and ``ONE_TOKEN`` (decode tiles whose requests have one new token each: no
+    key of their range is masked by position)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -110,7 +109,6 @@ class PagedPlan(NamedTuple):
     num_stages: int
     max_registers: Optional[int] = None
     SLOTS_AHEAD: bool = False
-    FP8_PTX: bool = False
     ONE_TOKEN: bool = False
 
 
@@ -353,10 +351,14 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
         OWN_BLOCK=own_block,
         num_warps=warps,
         num_stages=stages,
-        # FP8 tiles by PTX (``fp8_ptx_convert``), but for a first block of 128 x 128 laid out
-        # before the wait: compiled for sm_90 by Triton 3.9 it spills 232-240 bytes that way
-        # (none under 3.6, 80 with Triton's cast)
-        FP8_PTX=_ptx_tiles(shape, t, block_n, block_d, warps) and not (own_block and block_n * block_d >= 128 * 128),
+        # FP8 tiles by PTX (``fp8_ptx_convert``; docs/benchmarks.md, "The FP8 decode tiles")
+        # where a tile holds at least four elements a thread (the conversion's unit), but for a
+        # first block of 128 x 128 laid out before the wait: compiled for sm_90 by Triton 3.9 it
+        # spills 232-240 bytes that way (none under 3.6, 80 with Triton's cast)
+        FP8_PTX=shape.kv_fp8
+        and t.fp8_ptx_convert
+        and block_n * block_d >= 4 * 32 * warps
+        and not (own_block and block_n * block_d >= 128 * 128),
     )
 
 
@@ -372,13 +374,6 @@ def one_launch_workspace_numel(head_dim: int, num_sms: int, tuning: CudaTuning) 
 
 # ----------------------------------------------------------------------------- paged_attention
 @functools.lru_cache(maxsize=4096)
-def _ptx_tiles(shape: LaunchShape, tuning: CudaTuning, block_n: int, block_d: int, num_warps: int) -> bool:
-    """Whether a launch's FP8 K/V tiles are converted by PTX (``common.product_tile``): an FP8
-    cache, the tuning's ``fp8_ptx_convert``, and at least four elements a thread a tile (the
-    conversion's unit)."""
-    return shape.kv_fp8 and tuning.fp8_ptx_convert and block_n * block_d >= 4 * 32 * num_warps
-
-
 def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     """``paged_attention``'s plan: tiles, warps, stages, KV splits, loop shape and prefetch
     depth for one launch shape."""
@@ -435,11 +430,6 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         # Flash tiles of head dims up to 128 read their slots ahead (faster at 128,
         # docs/benchmarks.md "Prefill"); at 256, measured slower that way, in the block's iteration.
         SLOTS_AHEAD=block_m > 16 and block_d <= 128,
-        # Decode tiles over an FP8 cache take their K/V tiles to the products as 16-bit tiles
-        # (``fp8_ptx_convert``; docs/benchmarks.md, "The FP8 decode tiles"). The flash tiles'
-        # products read 16-bit tiles from shared memory either way (compiled for sm_90, the
-        # 128 x 128 tiles at head dim 128 are the same code with and without the PTX).
-        FP8_PTX=block_m <= 16 and _ptx_tiles(shape, t, block_n, block_d, num_warps),
         ONE_TOKEN=block_m <= 16 and max_q_len <= 1,
     )
 

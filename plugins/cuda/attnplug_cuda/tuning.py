@@ -94,11 +94,12 @@ class CudaTuning:
     #: registers (2 programs an SM); at 128 they hold 64-key blocks without spills (4
     #: programs an SM). An NVIDIA compile option: other devices' defaults have None
     fp8_decode_registers: Optional[int] = 128
-    #: ``paged_attention``'s FP8 decode tiles convert their K/V tiles to float16 by inline PTX
-    #: where they are loaded (``common.product_tile``), so they reach the products as 16-bit
-    #: tiles through shared memory instead of being read a byte at a time there. An NVIDIA
-    #: compile option: other devices' defaults have False (the interpreter, which runs no PTX,
-    #: converts with Triton's cast: the same values)
+    #: ``store_attend`` converts an FP8 cache's K/V tiles to float16 by inline PTX where they
+    #: are loaded, for float16 products (``common.product_tile``), so they reach the products as
+    #: 16-bit tiles through shared memory instead of being read a byte at a time there. An
+    #: NVIDIA compile option: other devices' defaults have False (the interpreter, which runs no
+    #: PTX, converts with Triton's cast: the same values). (``paged_attention``'s decode tiles
+    #: measured slower that way: docs/benchmarks.md, "The FP8 decode tiles".)
     fp8_ptx_convert: bool = True
 
     # the device's tiles (``TritonDevicePart.default_tuning``: other devices other defaults)

@@ -22,11 +22,11 @@ that says how.
   scales, ``KVScales``): whether a cache is FP8 is a constexpr of each kernel, read off the
   cache's element type, so an unquantised cache compiles no scale load and no quantisation.
   Stores quantise with ``quantize_kv`` (the one rule, bit for bit); K/V tiles are loaded as
-  FP8 and converted (exact: every FP8 value is a float16, bfloat16 and float32 value; by PTX
-  where the plan says ``FP8_PTX``: ``product_tile``): in ``paged_attention`` to float16 for a
-  half-precision q, which meets them in float16 products (q converted once a program; a q
-  beyond float16's range, 65504, is not served over an FP8 cache), else to float32; in
-  ``store_attend`` the same with ``FP8_PTX``, to q's dtype without it. Attention
+  FP8 and converted (exact: every FP8 value is a float16, bfloat16 and float32 value): in
+  ``paged_attention`` in registers to float16 for a half-precision q, which meets them in
+  float16 products (q converted once a program; a q beyond float16's range, 65504, is not
+  served over an FP8 cache), else to float32; in ``store_attend`` the same, by PTX where they
+  are loaded, where its plan says ``FP8_PTX`` (``product_tile``), else to q's dtype. Attention
   never multiplies a key or a value by its scale: a program serves one KV head ``h``, so
   ``k_scale[h]`` joins the logit scale (``s = (sm_scale * k_scale[h]) * q.c``, soft cap
   applied to that dequantised logit) and
@@ -222,8 +222,10 @@ def product_tile(x, dtype, PTX: tl.constexpr):
     for V). Triton's own cast is an elementwise op that it moves to the products' operand
     layout, which reads the FP8 tile from shared memory a byte at a time for V (whose operand
     pairs run along the keys, rows 128 bytes apart at head dim 128) and K's fragments in an
-    order that costs register moves. Otherwise (other devices, the interpreter, other dtypes):
-    Triton's cast."""
+    order that costs register moves. (That saves ``store_attend`` time; ``paged_attention``'s
+    decode tiles, which hold four programs an SM under a register cap, measured slower with
+    the tiles' round trip through shared memory: docs/benchmarks.md.) Otherwise (other
+    devices, the interpreter, other dtypes): Triton's cast."""
     if PTX and x.dtype.is_fp8() and dtype == tl.float16:
         if x.dtype == tl.float8e4nv:
             return tl.inline_asm_elementwise(

@@ -82,7 +82,6 @@ from .common import (
     log2_scales,
     pdl_release,
     pdl_wait,
-    product_tile,
     quantize_kv,
     scaled_logits,
     slot_is_key,
@@ -90,7 +89,7 @@ from .common import (
     table_entry,
     table_row,
 )
-from .interpret import ensure_interpreter_compat, interpreting
+from .interpret import ensure_interpreter_compat
 from .pdl import PLAIN, Schedule, launch_options
 
 __all__ = ["paged_attention"]
@@ -119,7 +118,7 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo, slot, num_slots,
                   K, V, kv_stride, kv_col, d_valid, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  EVEN_D: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                  EVEN_D: tl.constexpr):  # fmt: skip
     """One block of ``BLOCK_N`` keys from ``start``, at the cache's rows ``slot`` (``[BLOCK_N]``
     from ``common.key_slots``), folded into ``(acc, l_i, m_i)``.
     ``MASKED=False`` only for blocks every row sees whole (no causal / window / range mask);
@@ -136,13 +135,13 @@ def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo
         kv_mask = has_key[:, None] & d_valid[None, :]
     no_key = tl.where(has_key, 0.0, float("-inf"))
     kv_off = slot.to(tl.int64)[:, None] * kv_stride + kv_col[None, :]
-    # (an FP8 cache's tiles are converted to q's dtype, exactly: ``common.product_tile``)
-    k = product_tile(tl.load(K + kv_off, mask=kv_mask, other=0.0), q.dtype, PTX)
+    # (an FP8 cache's tiles are converted to q's dtype in registers, exactly; others are q's)
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     qk = scaled_logits(tl.dot(q, tl.trans(k), input_precision=PRECISION), no_key, qk_scale, softcap_log2)
     if MASKED:
         qk = causal_window(qk, offs_n, offs_n < s_hi, pos, lo, window)
     p, alpha, m_i, l_i = softmax_block(qk, m_i, l_i)
-    v = product_tile(tl.load(V + kv_off, mask=kv_mask, other=0.0), q.dtype, PTX)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_i
 
@@ -150,7 +149,7 @@ def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo
 @triton.jit
 def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end, s_hi, pos, lo, t_row, t_start, width,
                   num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  EVEN_D: tl.constexpr, AHEAD: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                  EVEN_D: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
     """Key blocks ``i_begin <= i < i_end`` (block ``i`` starts at ``s_lo + i * BLOCK_N``), all
     of one kind (``MASKED``), folded into ``(acc, l_i, m_i)``.
 
@@ -170,7 +169,7 @@ def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end
             )
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, slot, num_slots,
-                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D, PTX
+                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D
             )  # fmt: skip
             slot = slot_next
     else:
@@ -178,7 +177,7 @@ def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end
             _, slot, _ = key_slots(t_row, s_lo + i * BLOCK_N, s_hi, t_start, width, num_slots, BLOCK_N, MASKED)
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, slot, num_slots,
-                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D, PTX
+                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D
             )  # fmt: skip
     return acc, l_i, m_i
 
@@ -216,7 +215,6 @@ def _paged_attention_kernel(
     PF_LINES: tl.constexpr,  # 128-byte lines of one K/V row of a kv head (power of 2)
     LINE_ELEMS: tl.constexpr,  # elements of a 128-byte line
     NEW_TOKENS: tl.constexpr,  # tokens of the store's tile (a power of 2 >= BLOCK_M // G), 1 without New
-    FP8_PTX: tl.constexpr,  # PLAN.FP8_PTX where the kernel is compiled (the interpreter runs no PTX)
 ):
     BLOCK_M: tl.constexpr = PLAN.BLOCK_M
     BLOCK_N: tl.constexpr = PLAN.BLOCK_N
@@ -355,18 +353,15 @@ def _paged_attention_kernel(
         # fmt: off
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, 0, i0, s_hi, pos, lo, t_row, t_start, width,
-            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD,
-            FP8_PTX
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD
         )
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i0, i1, s_hi, pos, lo, t_row, t_start, width,
-            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, False, EVEN_D, PLAN.SLOTS_AHEAD,
-            FP8_PTX
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, False, EVEN_D, PLAN.SLOTS_AHEAD
         )
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i1, n_blocks, s_hi, pos, lo, t_row, t_start, width,
-            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD,
-            FP8_PTX
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD
         )
         # fmt: on
     else:
@@ -379,7 +374,7 @@ def _paged_attention_kernel(
             _, slot, _ = key_slots(t_row, start, s_hi, t_start, width, num_slots, BLOCK_N, True)
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo, slot, num_slots,
-                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D, FP8_PTX
+                K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D
             )
         # fmt: on
     if KV_FP8:  # the values' scale, once per row (a split's partial too: the merge is unchanged)
@@ -538,7 +533,6 @@ def paged_attention(
         PF_LINES=triton.next_power_of_2(triton.cdiv(D * k_cache.element_size(), 128)),
         LINE_ELEMS=128 // k_cache.element_size(),
         NEW_TOKENS=1 if new is None else triton.next_power_of_2(max(1, plan.BLOCK_M // G)),
-        FP8_PTX=plan.FP8_PTX and not interpreting(),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
