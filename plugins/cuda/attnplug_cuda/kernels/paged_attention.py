@@ -37,6 +37,8 @@ Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV spli
   each program writes a partial ``(m, l, acc)`` and ``_split_combine_kernel`` merges them in a
   second launch (the sinks join there, once). Programs past a request's real lengths do no
   work;
+* decode tiles whose requests have one new token (``ONE_TOKEN``) mask no key by position:
+  the program's range starts at the token's window start and ends at its position;
 * large tiles (``PHASES``) run the key blocks every row sees whole in an unmasked loop
   between the masked edge blocks (diagonal, window start, split end); with ``SLOTS_AHEAD``
   each loop reads its blocks' slots one block ahead (``_attend_range``: the K/V tiles then
