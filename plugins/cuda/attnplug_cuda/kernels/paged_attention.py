@@ -38,7 +38,8 @@ Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV spli
   second launch (the sinks join there, once). Programs past a request's real lengths do no
   work;
 * decode tiles whose requests have one new token (``ONE_TOKEN``) mask no key by position:
-  the program's range starts at the token's window start and ends at its position;
+  the program's range starts at the token's window start and ends at its position, and the
+  positions past a split's end read no slot (``key_slots``);
 * large tiles (``PHASES``) run the key blocks every row sees whole in an unmasked loop
   between the masked edge blocks (diagonal, window start, split end); with ``SLOTS_AHEAD``
   each loop reads its blocks' slots one block ahead (``_attend_range``: the K/V tiles then
@@ -367,9 +368,8 @@ def _paged_attention_kernel(
         )
         # fmt: on
     else:
-        # (the decode tiles' own loop: written as an ``_attend_range`` it compiles to other code).
-        # Rows of one token each (``ONE_TOKEN``) see every key of the range, [lo, seq_len), and
-        # the positions past it read no slot (``key_slots``): no mask by position.
+        # (the decode tiles' own loop: written as an ``_attend_range`` it compiles to other code;
+        # ``ONE_TOKEN``: the module docstring)
         MASKED: tl.constexpr = not PLAN.ONE_TOKEN
         # fmt: off
         for start in range(s_lo, s_hi, BLOCK_N):
