@@ -20,24 +20,24 @@ from attnplug_cuda.planner import LaunchShape, plan_paged  # noqa: E402
 from attnplug_cuda.tuning import CudaTuning  # noqa: E402
 
 
-def record_decode_launch(config=None, group=4, cache_dtype=torch.bfloat16):
-    """The plan's decode launch over a 256-key window of ``cache_dtype`` (an FP8 dtype: with
-    unit scales), storing the step, with the PDL prologue and ``config``'s plan fields:
-    recorded, not run."""
+def record_decode_launch(config=None, group=4, cache_dtype=torch.bfloat16, q_len=1):
+    """The plan's decode launch (``q_len`` > 1: a draft step of ``q_len`` tokens a request)
+    over a 256-key window of ``cache_dtype`` (an FP8 dtype: with unit scales), storing the
+    step, with the PDL prologue and ``config``'s plan fields: recorded, not run."""
     bs, hkv, d, width, slots = 4, 2, 128, 256, 2048
     i32 = dict(dtype=torch.int32)
-    q = torch.zeros(bs, hkv * group, d, dtype=torch.bfloat16)
+    q = torch.zeros(bs * q_len, hkv * group, d, dtype=torch.bfloat16)
     cache = torch.zeros(slots, hkv, d, dtype=cache_dtype)
-    new = torch.zeros(bs, hkv, d, dtype=torch.bfloat16)
+    new = torch.zeros(bs * q_len, hkv, d, dtype=torch.bfloat16)
     fp8 = is_fp8(cache_dtype)
-    shape = LaunchShape(bs, bs, hkv, group, d, 1, 300, width, 132, fp8)
+    shape = LaunchShape(bs, bs * q_len, hkv, group, d, q_len, 300, width, 132, fp8)
     plan = plan_paged(shape, CudaTuning())._replace(**(config or {}))
     keys = KeyTable.of(torch.ones(bs, width, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
     scales = KVScales.of(torch.ones(hkv), torch.ones(hkv)) if fp8 else None
-    inputs = AttentionInputs(torch.arange(bs + 1, **i32), torch.full((bs,), 300, **i32), keys, 1, window=width,
-                             kv_scales=scales)  # fmt: skip
+    inputs = AttentionInputs(torch.arange(0, bs * q_len + 1, q_len, **i32), torch.full((bs,), 300, **i32), keys, q_len,
+                             window=width, kv_scales=scales)  # fmt: skip
     with record_launches() as launches:
-        new_rows = NewRows.of(new, new, torch.arange(1, bs + 1, **i32))
+        new_rows = NewRows.of(new, new, torch.arange(1, bs * q_len + 1, **i32))
         paged_attention(q, cache, cache, torch.empty_like(q), inputs, plan, new=new_rows, pdl=PROLOGUE)
     (launch,) = launches
     return launch

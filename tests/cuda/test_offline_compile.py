@@ -66,15 +66,18 @@ def test_paged_attention_prefill_tiles_pipeline_their_kv_tiles_to_the_stages():
 
 
 def test_paged_attention_quantises_each_new_value_of_an_fp8_step_once():
-    """A decode launch storing the step into an FP8 cache quantises a tile of the request's
-    tokens (``NEW_TOKENS``, the most a row block holds), not of its (token, q head) rows: one
-    IEEE division a stored K or V value of the tile, ``2 * tokens * D / threads`` a thread.
-    (A tile of rows quantised each value once per q head of the group: 32 divisions a thread
-    at groups of 4 and 8, the step's fixed cost that made a window layer's FP8 launch as slow
-    as its 16-bit one.)"""
+    """A launch storing the step into an FP8 cache quantises a tile of the request's tokens
+    (``NEW_TOKENS``: the step's host bound ``max_q_len``, a power of two), not of its (token, q
+    head) rows nor of every token its row block could hold: one IEEE division a stored K or V
+    value of the tile, ``2 * tokens * D / threads`` a thread, 2 for a decode step. (A tile of
+    rows quantised each value once per q head of the group: 32 divisions a thread at groups of
+    4 and 8, the step's fixed cost that made a window layer's FP8 launch as slow as its 16-bit
+    one; a tile of the row block's tokens, 4 at a group of 4, quantised three empty tokens a
+    decode step: 8 a thread.)"""
     result = json.loads(_run(os.path.join(HERE, "paged_store_probe.py")).strip().splitlines()[-1])
-    for group, r in result.items():
-        assert r["tokens"] * int(group) >= r["rows"] and r["tokens"] < r["rows"], result
+    assert set(result) == {"decode 4", "decode 8", "draft 4"}, result
+    for r in result.values():
+        assert r["tokens"] == r["q_len"] and r["tokens"] < r["rows"], result
         assert r["divisions"] == 2 * r["tokens"] * r["head_dim"] // r["threads"], result
 
 

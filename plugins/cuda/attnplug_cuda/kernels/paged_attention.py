@@ -56,8 +56,9 @@ before its wait, and a program sends its first ``PREFETCH`` key blocks' cached K
 without a key prefetch the kv head's first line, inside the cache).
 
 Storing the step (``loc``, decode and draft steps whose rows fit one tile): every program
-first stores kv head ``hk`` of its request's new K/V rows from a tile of its tokens (not of
-its (token, q head) rows: an FP8 cache quantises each value once), the programs of one
+first stores kv head ``hk`` of its request's new K/V rows from a tile of its tokens, as many
+as the host bound ``max_q_len`` (not of its (token, q head) rows, nor of the row block's
+tokens: an FP8 cache quantises each new value once, a decode step one token's), the programs of one
 group's KV splits writing the same bytes, then a CTA barrier orders those stores before its
 reads of the cache, so the layer needs no KV store launch; the cache and the output are those of
 ``kv_store`` followed by this kernel (an FP8 cache: the rows stored quantised, and read back
@@ -217,7 +218,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,  # pdl.Schedule, or None
     PF_LINES: tl.constexpr,  # 128-byte lines of one K/V row of a kv head (power of 2)
     LINE_ELEMS: tl.constexpr,  # elements of a 128-byte line
-    NEW_TOKENS: tl.constexpr,  # tokens of the store's tile (a power of 2 >= BLOCK_M // G), 1 without New
+    NEW_TOKENS: tl.constexpr,  # tokens of the store's tile (a power of 2 >= the host bound max_q_len), 1 without New
 ):
     BLOCK_M: tl.constexpr = PLAN.BLOCK_M
     BLOCK_N: tl.constexpr = PLAN.BLOCK_N
@@ -316,7 +317,7 @@ def _paged_attention_kernel(
     kv_col = offs_d  # in kv head hk's rows of the cache
     if New is not None:
         # Every program of the group stores kv head hk of the request's new rows (the tile
-        # holds all of them: one row block, at most NEW_TOKENS tokens), then waits for the
+        # holds all of them: at most NEW_TOKENS tokens, the host bound), then waits for the
         # CTA's stores before reading the cache. Programs of one group (its KV splits) write
         # the same bytes, so each reads the new rows whoever wrote last (module docstring).
         offs_t = tl.arange(0, NEW_TOKENS)
@@ -534,7 +535,7 @@ def paged_attention(
         PDL=pdl,
         PF_LINES=triton.next_power_of_2(triton.cdiv(D * k_cache.element_size(), 128)),
         LINE_ELEMS=128 // k_cache.element_size(),
-        NEW_TOKENS=1 if new is None else triton.next_power_of_2(max(1, plan.BLOCK_M // G)),
+        NEW_TOKENS=1 if new is None else triton.next_power_of_2(max(1, max_q_len)),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
