@@ -57,12 +57,12 @@ without a key prefetch the kv head's first line, inside the cache).
 
 Storing the step (``loc``, decode and draft steps whose rows fit one tile): every program
 first stores kv head ``hk`` of its request's new K/V rows from a tile of its tokens, as many
-as the host bound ``max_q_len`` (not of its (token, q head) rows, nor of the row block's
-tokens: an FP8 cache quantises each new value once, a decode step one token's), the programs of one
-group's KV splits writing the same bytes, then a CTA barrier orders those stores before its
-reads of the cache, so the layer needs no KV store launch; the cache and the output are those of
-``kv_store`` followed by this kernel (an FP8 cache: the rows stored quantised, and read back
-as every other key).
+as the host bound ``max_q_len`` (not of its (token, q head) rows, nor of every token its row
+block could hold: an FP8 cache quantises each new value once, a decode step one token's),
+the programs of one group's KV splits writing the same bytes, then a CTA barrier orders
+those stores before its reads of the cache, so the layer needs no KV store launch; the cache
+and the output are those of ``kv_store`` followed by this kernel (an FP8 cache: the rows
+stored quantised, and read back as every other key).
 """
 
 from __future__ import annotations
