@@ -55,6 +55,7 @@ __all__ = [
     "one_launch_serves",
     "one_launch_workspace_numel",
     "paged_workspace_numel",
+    "store_tokens",
 ]
 
 
@@ -185,6 +186,13 @@ class StepPlan:
 def _pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def store_tokens(max_q_len: int) -> int:
+    """Tokens of the tile a launch storing the step quantises and stores (``store_attend``'s
+    ``TOKENS``, ``paged_attention``'s ``NEW_TOKENS``): the step's host bound ``max_q_len`` as a
+    power of two, so each new value is stored once and a decode step stores one token."""
+    return _pow2(max(1, max_q_len))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -342,7 +350,7 @@ def plan_one_launch(shape: LaunchShape, tuning: CudaTuning) -> OneLaunchPlan:
     own_block = decode and groups <= num_sms
     return OneLaunchPlan(
         ROWS=rows,
-        TOKENS=_pow2(max(1, max_q_len)),
+        TOKENS=store_tokens(max_q_len),
         BLOCK_N=block_n,
         NUM_SPLITS=splits,
         MERGE_CHUNK=max(1, min(splits, t.merge_rows // rows)),

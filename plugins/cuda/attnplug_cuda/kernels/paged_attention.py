@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..planner import PagedPlan
+from ..planner import PagedPlan, store_tokens
 from .common import (
     VALUES_ONLY,
     AttentionInputs,
@@ -218,7 +218,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,  # pdl.Schedule, or None
     PF_LINES: tl.constexpr,  # 128-byte lines of one K/V row of a kv head (power of 2)
     LINE_ELEMS: tl.constexpr,  # elements of a 128-byte line
-    NEW_TOKENS: tl.constexpr,  # tokens of the store's tile (a power of 2 >= the host bound max_q_len), 1 without New
+    NEW_TOKENS: tl.constexpr,  # tokens of the store's tile (planner.store_tokens), 1 without New
 ):
     BLOCK_M: tl.constexpr = PLAN.BLOCK_M
     BLOCK_N: tl.constexpr = PLAN.BLOCK_N
@@ -535,7 +535,7 @@ def paged_attention(
         PDL=pdl,
         PF_LINES=triton.next_power_of_2(triton.cdiv(D * k_cache.element_size(), 128)),
         LINE_ELEMS=128 // k_cache.element_size(),
-        NEW_TOKENS=1 if new is None else triton.next_power_of_2(max(1, max_q_len)),
+        NEW_TOKENS=1 if new is None else store_tokens(max_q_len),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
