@@ -408,7 +408,7 @@ def fp8_decode(q, k_cache, v_cache, out, inputs, *, new=None, pdl=None) -> bool:
             inputs.window or 0,
             qk_scale,
             softcap_log2 or 0.0,
-            pdl is not None and not env.pdl_disabled(),
+            pdl is not None,
             pdl is None or pdl.wait == "entry",
         )
     )

@@ -155,9 +155,7 @@ class CudaOps(PagedOps):
             scales,
         )
         if fp8_decode_serves(shape, self.tuning) and self._cpp_fp8_decode(query, kc, vc, sinks):
-            from .cpp_ext import fp8_decode
-
-            fp8_decode(query, kc, vc, out, inputs, pdl=self._early)
+            self._fp8_decode(query, kc, vc, out, inputs, pdl=self._early)
             return out
         return self._paged_attention(query, kc, vc, out, inputs, plan_paged(shape, self.tuning), pdl=self._schedule)
 
@@ -170,7 +168,8 @@ class CudaOps(PagedOps):
             self.tuning = dataclasses.replace(self.tuning, fp8_decode=impl)
             if impl != "cpp":
                 return False
-        from .cpp_ext import fp8_decode_layout_ok
+            from .cpp_ext import fp8_decode, fp8_decode_layout_ok
 
+            self._fp8_decode, self._fp8_layout_ok = fp8_decode, fp8_decode_layout_ok
         half = query.dtype in (torch.float16, torch.bfloat16)
-        return half and fp8_decode_layout_ok(kc, vc) and (sinks is None or sinks.is_contiguous())
+        return half and self._fp8_layout_ok(kc, vc) and (sinks is None or sinks.is_contiguous())
