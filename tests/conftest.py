@@ -47,8 +47,7 @@ def project_registry(tmp_path, monkeypatch):
     from attnplug.registry import load_registry
     from plugin_dists import entry_points_in, write_project_metadata
 
-    flags = ("ATTNPLUG_BACKEND", "ATTNPLUG_PLUGINS", "ATTNPLUG_KV_STORE", "ATTNPLUG_FP8_DECODE", "ATTNPLUG_DISABLE_PDL")
-    for name in flags:
+    for name in ("ATTNPLUG_BACKEND", "ATTNPLUG_PLUGINS", "ATTNPLUG_KV_STORE", "ATTNPLUG_DISABLE_PDL"):
         monkeypatch.delenv(name, raising=False)
     write_project_metadata(tmp_path)
     registry = load_registry(entry_points=entry_points_in(tmp_path))

@@ -145,9 +145,9 @@ def test_hybrid_world_and_runner_plumbing_on_cpu():
     world = build_world(**model, max_bs=3, context=16, window=5, num_draft=hybrid_step.NUM_DRAFT, device="cpu")
     assert world.alloc.swa_available_size() >= 0
     world.alloc.check_invariants()
-    # the variants over the model's dtype (the FP8 variants' world: test_bench_flashinfer_configs)
+    # the variants over the model's dtype (new-fp8's FP8 world: test_bench_flashinfer_configs)
     variants = {k: v for k, v in hybrid_step.variants().items() if v.kv_cache_dtype is None}
-    assert set(hybrid_step.variants()) - set(variants) == {"new-fp8", "new-fp8-cpp"}
+    assert set(hybrid_step.variants()) - set(variants) == {"new-fp8"}
     backends = {path: v.make(world.pool, world.rows, num_heads=4, sliding_window=5) for path, v in variants.items()}
     ctx = Ctx(device=torch.device("cpu"))
     for mode, bs in ((ForwardMode.DECODE, 3), (ForwardMode.DRAFT_EXTEND, 2)):

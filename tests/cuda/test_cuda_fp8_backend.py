@@ -278,26 +278,17 @@ SHAPE = AttentionShape(num_heads=32, num_kv_heads=8, head_dim=128, max_context_l
 @pytest.mark.parametrize("bs,q_len", [(1, 1), (4, 1), (16, 1), (4, 4), (64, 1), (8, 16)])
 def test_fp8_steps_keep_their_paths_and_schedules(bs, q_len):
     """The path, and the PDL schedules of each layer, of a step over an FP8 cache are the
-    16-bit ones: only tiles and splits may differ. With the C++ FP8 decode kernel loaded
-    (``fp8_decode="cpp"``), the decode steps of at least two groups an SM that the 16-bit
-    cache runs through ``paged_attention`` storing the step run that kernel instead, with the
-    same schedules."""
+    16-bit ones: only tiles and splits may differ."""
     fp8 = dataclasses.replace(SHAPE, kv_fp8=True)
-    triton, cpp = CudaTuning(fp8_decode="triton"), CudaTuning(fp8_decode="cpp")
     for pdl in (False, True):
-        a = plan_step(SHAPE, bs, bs * q_len, q_len, cpp, pdl)
-        b = plan_step(fp8, bs, bs * q_len, q_len, triton, pdl)
-        c = plan_step(fp8, bs, bs * q_len, q_len, cpp, pdl)
+        a = plan_step(SHAPE, bs, bs * q_len, q_len, CudaTuning(), pdl)
+        b = plan_step(fp8, bs, bs * q_len, q_len, CudaTuning(), pdl)
         assert a.path is b.path
-        cpp_decode = a.path is Path.PAGED_STORE and q_len == 1 and bs * SHAPE.num_kv_heads >= 2 * SHAPE.num_sms
-        assert c.path is (Path.FP8_DECODE if cpp_decode else a.path)
         for is_swa in (False, True):
-            la, lb, lc = a.layer(is_swa), b.layer(is_swa), c.layer(is_swa)
-            assert (la.first, la.later) == (lb.first, lb.later) == (lc.first, lc.later)
+            la, lb = a.layer(is_swa), b.layer(is_swa)
+            assert (la.first, la.later) == (lb.first, lb.later)
             assert type(la.kernel) is type(lb.kernel)
-            assert lc.kernel is None if cpp_decode else type(lc.kernel) is type(la.kernel)
     assert plan_step(fp8, 1, 1, 1, CudaTuning(), True).full.first == EARLY
-    assert plan_step(fp8, 64, 64, 1, cpp, False).path is Path.FP8_DECODE
 
 
 def test_fp8_decode_tiles_cap_their_registers_at_head_dim_128():

@@ -15,9 +15,7 @@ once per step), and ``planner.plan_step`` decides, from host ints only, how the 
 run. Per layer, by the step's plan:
 
 * small decode and draft steps: ONE ``store_attend`` launch (store, attention, split merge);
-* other decode and draft steps: ONE ``paged_attention`` launch that also stores the step
-  (over an FP8 cache with ``fp8_decode="cpp"``, decode steps the CUDA C++ kernel serves: ONE
-  ``cpp_ext.fp8_decode`` launch instead, storing the step too);
+* other decode and draft steps: ONE ``paged_attention`` launch that also stores the step;
 * extends (and what the tuning turns off): a KV store launch, then ``paged_attention`` (and
   its split combine when decode splits the KV range).
 
@@ -46,11 +44,7 @@ Choices (``tuning.CudaTuning``, ``CudaTuning.from_env()`` by default):
 ``ATTNPLUG_DISABLE_PDL=1`` launches without PDL; ``ATTNPLUG_KV_STORE=cpp`` stores K/V with the
 CUDA C++ kernel (``csrc/kv_store.cu``, built JIT on first use; where it cannot be built the
 Triton store is used and ``kv_store_reason`` says why; an FP8 pool always gets the Triton
-store, which quantises: the C++ store does not, and refuses FP8 caches).
-``ATTNPLUG_FP8_DECODE=cpp`` (``CudaTuning.fp8_decode``): over an FP8 pool, decode steps of at
-least ``fp8_decode_groups_per_sm`` groups an SM run the CUDA C++ FP8 decode kernel
-(``csrc/fp8_decode.cu``, built JIT at construction) where it loads on a device of compute
-capability >= 9.0 (``fp8_decode_reason`` says which kernel runs and why). A variant for a
+store, which quantises: the C++ store does not, and refuses FP8 caches). A variant for a
 benchmark or a test is ``CudaBackend(..., tuning=dataclasses.replace(tuning, ...))``.
 """
 
@@ -143,21 +137,8 @@ class TritonBackend(AttentionBackend):
         self.pdl = ok and tuning.pdl
         if ok and not tuning.pdl:
             self.pdl_reason = "turned off by the tuning (pdl=False)"
-        # an FP8 pool's decode kernel: the C++ one where it loads (planner.fp8_decode_serves)
-        if pool.is_fp8:
-            self.fp8_decode_impl, self.fp8_decode_reason = part.fp8_decode_choice(tuning.fp8_decode, self.device)
-        else:
-            self.fp8_decode_impl, self.fp8_decode_reason = "triton", f"a {pool.dtype} pool: no FP8 decode"
-        if self.fp8_decode_impl == "cpp":
-            from .cpp_ext import fp8_decode, fp8_decode_layout_ok
-
-            self._fp8_decode = fp8_decode
-            layers = [pool.get_kv_buffer(layer) for layer in range(pool.num_layers)]
-            if not all(fp8_decode_layout_ok(k, v) for k, v in layers):
-                self.fp8_decode_impl = "triton"
-                self.fp8_decode_reason = "the pool's K/V rows are not 16-byte aligned: paged_attention decodes"
-        #: the tuning this instance runs with (the KV store and FP8 decode kernels it could load)
-        self.tuning = dataclasses.replace(tuning, kv_store=self.kv_store_impl, fp8_decode=self.fp8_decode_impl)
+        #: the tuning this instance runs with (the KV store it could load)
+        self.tuning = dataclasses.replace(tuning, kv_store=self.kv_store_impl)
         self._step_metadata = step_metadata.step_metadata
         self._per_step_args, self._padded_copy = step_metadata.per_step_args, step_metadata.PaddedCopy
         self._kv_store = kv_store.kv_store
@@ -455,7 +436,7 @@ class TritonBackend(AttentionBackend):
         loc = None
         if save_kv_cache:
             loc = t.swa_out_cache_loc[: batch.num_tokens] if is_swa else batch.out_cache_loc
-            stored_by_attention = path in (Path.PAGED_STORE, Path.FP8_DECODE) or (
+            stored_by_attention = path is Path.PAGED_STORE or (
                 path is Path.ONE_LAUNCH and self.tuning.kv_store == "triton"
             )
             if not stored_by_attention:  # a separate store launch
@@ -485,9 +466,6 @@ class TritonBackend(AttentionBackend):
                 q, k, v, loc, k_cache, v_cache, out, inputs, layer.kernel, workspace=workspace, tickets=tickets, pdl=pdl
             )
         new = self._new_rows.of(k, v, loc) if loc is not None else None
-        if path is Path.FP8_DECODE:
-            self._fp8_decode(q, k_cache, v_cache, out, inputs, new=new, pdl=pdl)
-            return out
         return self._paged_attention(
             q, k_cache, v_cache, out, inputs, layer.kernel, new=new, workspace=t.workspace, pdl=pdl, tiles=t.tiles
         )

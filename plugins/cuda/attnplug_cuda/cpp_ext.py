@@ -1,14 +1,8 @@
-"""Build and load the CUDA C++ kernels of the plugin (``csrc/``) as a torch extension.
+"""Build and load the CUDA C++ kernel of the plugin (``csrc/``) as a torch extension.
 
-The kernels (``.cu`` files compile alone, free of torch headers; each ``*_binding.cpp``
-registers its functions into the one module that ``module.cpp`` defines):
-
-* the FP8 decode attention (``csrc/fp8_decode.cu``, the header says what it computes): a
-  decode step over an FP8 paged cache, the step's rows stored (quantised) first, one CTA a
-  (request, kv head), each warp streaming its own 16-key tiles into ``mma.sync`` products with
-  the keys as M; PDL on sm_90+. The planner's choice for such steps where it loads
-  (``planner.fp8_decode_serves``);
-* the KV store (``csrc/kv_store.cu``): for each new token ``t``, ``k_cache[loc[t]] = k[t]`` and
+The kernel (``.cu`` files compile alone, free of torch headers; each ``*_binding.cpp``
+registers its functions into the one module that ``module.cpp`` defines) is the KV store
+(``csrc/kv_store.cu``): for each new token ``t``, ``k_cache[loc[t]] = k[t]`` and
 ``v_cache[loc[t]] = v[t]``, all heads of a token per thread group, 16-byte loads/stores when
 the rows allow it, and Programmatic Dependent Launch (PDL) on sm_90+: it waits
 (``cudaGridDependencySynchronize``) before reading k, v or loc and lets its dependents start
@@ -27,9 +21,6 @@ API:
   :func:`try_load_ext` returns ``None`` instead of raising.
 * :func:`kv_store` -> ``ext.kv_store(k, v, k_cache, v_cache, loc, pdl)``; returns whether the
   launch used PDL.
-* :func:`fp8_decode` -> ``ext.fp8_decode(...)`` from the Triton launchers' arguments
-  (``AttentionInputs``, ``NewRows``, a PDL ``Schedule``); returns whether the launch used PDL.
-  :func:`fp8_decode_layout_ok`: whether caches are laid out as it reads them.
 * :func:`nvcc_compile_command` -> the bare ``nvcc -arch=sm_90 -c csrc/<kernel>.cu`` command
   CI uses to prove a kernel compiles without a GPU or torch's CUDA headers.
 
@@ -67,9 +58,6 @@ __all__ = [
     "ext_build_dir",
     "find_nvcc",
     "kv_store",
-    "fp8_decode",
-    "fp8_decode_layout_ok",
-    "FP8_DECODE_CU",
     "load_ext",
     "nvcc_compile_command",
     "try_load_ext",
@@ -77,18 +65,12 @@ __all__ = [
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 KV_STORE_CU = CSRC_DIR / "kv_store.cu"
-FP8_DECODE_CU = CSRC_DIR / "fp8_decode.cu"
 #: the kernels, each compiling alone with ``nvcc_compile_command``
-KERNEL_SOURCES: Tuple[Path, ...] = (KV_STORE_CU, FP8_DECODE_CU)
+KERNEL_SOURCES: Tuple[Path, ...] = (KV_STORE_CU,)
 #: compiled into the extension: the kernels, their bindings and the module
-EXT_SOURCES: Tuple[Path, ...] = (
-    *KERNEL_SOURCES,
-    CSRC_DIR / "kv_store_binding.cpp",
-    CSRC_DIR / "fp8_decode_binding.cpp",
-    CSRC_DIR / "module.cpp",
-)
+EXT_SOURCES: Tuple[Path, ...] = (*KERNEL_SOURCES, CSRC_DIR / "kv_store_binding.cpp", CSRC_DIR / "module.cpp")
 #: hashed into the build key with the sources
-_HEADERS: Tuple[Path, ...] = (CSRC_DIR / "kv_store.h", CSRC_DIR / "fp8_decode.h", CSRC_DIR / "bindings.h")
+_HEADERS: Tuple[Path, ...] = (CSRC_DIR / "kv_store.h", CSRC_DIR / "bindings.h")
 
 #: Hopper machine code; always built, whatever GPU is present
 SM90_GENCODE = "-gencode=arch=compute_90,code=sm_90"
@@ -350,65 +332,3 @@ def kv_store(k, v, k_cache, v_cache, loc, pdl: bool = False) -> bool:
     if pdl and env.pdl_disabled():
         pdl = False
     return bool(load_ext().kv_store(k, v, k_cache, v_cache, loc, bool(pdl)))
-
-
-def fp8_decode_layout_ok(k_cache, v_cache) -> bool:
-    """Whether FP8 caches ``[S, Hkv, D]`` are laid out as :func:`fp8_decode` reads them (host
-    ints only): the same strides, a dense last dim, every row and kv head 16-byte aligned."""
-    aligned = k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
-    return (
-        aligned
-        and k_cache.stride() == v_cache.stride()
-        and k_cache.stride(2) == 1
-        and k_cache.stride(0) % 16 == 0
-        and (k_cache.shape[1] == 1 or k_cache.stride(1) % 16 == 0)
-    )
-
-
-def fp8_decode(q, k_cache, v_cache, out, inputs, *, new=None, pdl=None) -> bool:
-    """Decode attention of ``q`` over an FP8 paged cache into ``out`` (``csrc/fp8_decode.h``
-    says what it computes), on the current CUDA stream; returns whether the launch used PDL.
-
-    q, out: ``[bs, H, 128]`` bfloat16 / float16, one token a request (``inputs.max_q_len`` 1);
-    k_cache, v_cache: ``[S, Hkv, 128]`` ``float8_e4m3fn`` / ``float8_e5m2``, 16-byte aligned
-    rows; ``inputs``: ``kernels.common.AttentionInputs`` with ``kv_scales`` (its ``cu_q_lens``
-    is not read: token ``b`` is request ``b``'s); ``new``: ``kernels.common.NewRows`` stored
-    first (quantised; a slot outside ``[1, S)`` is skipped), or None; ``pdl``: the launch's
-    PDL ``Schedule`` (``kernels.pdl``: ``EARLY`` waits at entry, ``PROLOGUE`` after reading
-    the step's metadata, both release the next launch at the wait), or None. Raises
-    ``ValueError`` for a step of several tokens a request, an unquantised cache or another
-    schedule, ``RuntimeError`` (the binding's check, naming the argument) for tensors it does
-    not serve."""
-    from .kernels.common import log2_scales
-
-    if inputs.max_q_len > 1:
-        raise ValueError(f"fp8_decode serves one new token a request, got max_q_len={inputs.max_q_len}")
-    if inputs.kv_scales is None:
-        raise ValueError("fp8_decode needs an FP8 cache's scales (inputs.kv_scales)")
-    if pdl is not None and pdl.check().release != "wait":
-        raise ValueError(f"fp8_decode releases the next launch at its wait (EARLY or PROLOGUE), got {pdl}")
-    qk_scale, softcap_log2 = log2_scales(inputs.sm_scale, inputs.softcap, q.shape[-1])
-    keys, scales = inputs.keys, inputs.kv_scales
-    return bool(
-        load_ext().fp8_decode(
-            q,
-            k_cache,
-            v_cache,
-            out,
-            keys.table,
-            keys.rows,
-            keys.start,
-            inputs.seq_lens,
-            scales.k,
-            scales.v,
-            inputs.sinks,
-            None if new is None else new.k,
-            None if new is None else new.v,
-            None if new is None else new.loc,
-            inputs.window or 0,
-            qk_scale,
-            softcap_log2 or 0.0,
-            pdl is not None,
-            pdl is None or pdl.wait == "entry",
-        )
-    )

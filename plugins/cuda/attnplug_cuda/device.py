@@ -16,8 +16,7 @@
   is made: the ``griddepcontrol`` variant does not link for AMD) and the Triton KV store
   (the C++ store is CUDA C++).
   ``describe()`` reads only the environment and the installed tools: no CUDA context, no build.
-* ``kv_store_choice``: the KV store kernel a backend gets (the C++ one where it builds);
-  ``fp8_decode_choice``: an FP8 pool's decode kernel (the C++ one where it builds, sm_90+).
+* ``kv_store_choice``: the KV store kernel a backend gets (the C++ one where it builds).
 
 Everything here touches CUDA only when called, so the module imports on any machine.
 """
@@ -100,28 +99,6 @@ class CudaDevice(TritonDevicePart):
     def kv_store_choice(self, wanted: str, build: bool = True):
         return kv_store_choice(wanted, build=build)
 
-    def fp8_decode_choice(self, wanted: str, device: torch.device):
-        """``cpp`` where the plugin's C++ extension loads (built here on first use) on a CUDA
-        device of compute capability >= 9.0, the kernel's tested target (it compiles for
-        sm_89+: FP8 conversions by ``cvt``); ``triton`` otherwise, the reason naming why."""
-        if wanted != "cpp":
-            return "triton", "paged_attention (CudaTuning.fp8_decode='triton')"
-        if rocm_version():
-            return "triton", f"ROCm {rocm_version()}: the CUDA C++ FP8 decode kernel is CUDA-only (no HIP port)"
-        if device.type != "cuda":
-            return "triton", f"the CUDA C++ FP8 decode kernel needs a CUDA device, not {device}"
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (9, 0):
-            return "triton", (
-                "the CUDA C++ FP8 decode kernel runs on compute capability >= 9.0, got %d.%d" % capability
-            )
-        from .cpp_ext import cpp_ext_status
-
-        ok, reason = cpp_ext_status(build=True)
-        if not ok:
-            return "triton", f"the CUDA C++ FP8 decode kernel is unavailable: {reason}"
-        return "cpp", "the CUDA C++ FP8 decode kernel (csrc/fp8_decode.cu)"
-
     def new_graph(self):
         return cuda_graph() if torch.cuda.is_available() else super().new_graph()
 
@@ -133,8 +110,8 @@ class CudaDevice(TritonDevicePart):
             torch.cuda.synchronize(device)
 
     def describe(self) -> Dict[str, Any]:
-        """The PDL rule, the KV store choice and the FP8 decode kernel's rule, from the environment
-        and the installed tools only: no CUDA context is created and nothing is built."""
+        """The PDL rule and the KV store choice, from the environment and the installed tools
+        only: no CUDA context is created and nothing is built."""
         store, store_reason = kv_store_choice(env.kv_store_kernel(), build=False)
         hip = rocm_version()
         if hip:
@@ -147,17 +124,4 @@ class CudaDevice(TritonDevicePart):
                 else "on where compute capability >= 9.0 and triton >= 3.5 (decided per instance)"
             )
             platform = "CUDA (NVIDIA); on a ROCm torch: AMD GPUs, PDL compiled out"
-        fp8_decode = (
-            "paged_attention (Triton): the CUDA C++ kernel is CUDA-only"
-            if hip
-            else f"{env.fp8_decode_kernel()}: with cpp ({env.FP8_DECODE.name}=cpp), the CUDA C++ kernel "
-            "(csrc/fp8_decode.cu) for decode steps of >= 2 groups an SM at head dim 128 where the extension "
-            "builds on compute capability >= 9.0, else paged_attention"
-        )
-        return {
-            "pdl_rule": pdl_rule,
-            "platform": platform,
-            "kv_store": store,
-            "kv_store_reason": store_reason,
-            "fp8_decode": fp8_decode,
-        }
+        return {"pdl_rule": pdl_rule, "platform": platform, "kv_store": store, "kv_store_reason": store_reason}

@@ -6,9 +6,6 @@ variable                   reader                          meaning (default)
 =========================  ==============================  =====================================
 ``ATTNPLUG_KV_STORE``      ``kv_store_kernel()``           ``triton`` or ``cpp``: the KV store
                                                            kernel (triton)
-``ATTNPLUG_FP8_DECODE``    ``fp8_decode_kernel()``         ``triton`` or ``cpp``: the decode
-                                                           kernel of large steps over an FP8
-                                                           cache (triton)
 ``ATTNPLUG_DISABLE_CPP``   ``cpp_disabled()``              never build or load the plugin's C++
                                                            extension (off)
 ``ATTNPLUG_CPP_VERBOSE``   ``cpp_verbose()``               show the C++ extension's build (off)
@@ -31,14 +28,11 @@ from attnplug.env import EnvFlag, choice, declare, pdl_disabled, reader, switch
 
 __all__ = [
     "KV_STORE",
-    "FP8_DECODE",
     "DISABLE_CPP",
     "CPP_VERBOSE",
     "CACHE_DIR",
     "KV_STORE_KERNELS",
-    "FP8_DECODE_KERNELS",
     "kv_store_kernel",
-    "fp8_decode_kernel",
     "cpp_disabled",
     "cpp_verbose",
     "cache_dir",
@@ -47,16 +41,9 @@ __all__ = [
 
 #: the values ``ATTNPLUG_KV_STORE`` accepts, the default first
 KV_STORE_KERNELS = ("triton", "cpp")
-#: the values ``ATTNPLUG_FP8_DECODE`` (``CudaTuning.fp8_decode``) accepts, the default first
-FP8_DECODE_KERNELS = ("triton", "cpp")
 
-KV_STORE, FP8_DECODE, DISABLE_CPP, CPP_VERBOSE, CACHE_DIR = declare(
+KV_STORE, DISABLE_CPP, CPP_VERBOSE, CACHE_DIR = declare(
     EnvFlag("ATTNPLUG_KV_STORE", "the cuda plugin's KV store kernel: 'triton' or 'cpp'", KV_STORE_KERNELS[0]),
-    EnvFlag(
-        "ATTNPLUG_FP8_DECODE",
-        "the cuda plugin's decode kernel over an FP8 KV cache (large steps): 'triton' or 'cpp'",
-        FP8_DECODE_KERNELS[0],
-    ),
     EnvFlag("ATTNPLUG_DISABLE_CPP", "never build or load the cuda plugin's C++ extension", "off"),
     EnvFlag("ATTNPLUG_CPP_VERBOSE", "print the cuda plugin's C++ extension build log", "off"),
     EnvFlag(
@@ -71,12 +58,6 @@ KV_STORE, FP8_DECODE, DISABLE_CPP, CPP_VERBOSE, CACHE_DIR = declare(
 def kv_store_kernel() -> str:
     """``ATTNPLUG_KV_STORE``: one of ``KV_STORE_KERNELS`` (any case), default ``triton``."""
     return choice(KV_STORE, KV_STORE_KERNELS)
-
-
-@reader(FP8_DECODE)
-def fp8_decode_kernel() -> str:
-    """``ATTNPLUG_FP8_DECODE``: one of ``FP8_DECODE_KERNELS`` (any case), default ``triton``."""
-    return choice(FP8_DECODE, FP8_DECODE_KERNELS)
 
 
 @reader(DISABLE_CPP)

@@ -10,13 +10,6 @@ from ``planner.plan_paged`` and host ints only; with PDL (``pdl_supported``) bot
 the ``PLAIN`` schedule (wait before the first load, release after the last store), safe after
 any kernel an engine launches before them.
 
-With ``fp8_decode="cpp"`` (``ATTNPLUG_FP8_DECODE=cpp``), decode steps over an FP8 cache that
-the CUDA C++ kernel serves (``planner.fp8_decode_serves``, caches laid out as it reads them:
-``cpp_ext.fp8_decode_layout_ok``) run it instead of
-``paged_attention`` (``EARLY`` with PDL: it waits at entry); the kernel is chosen
-(``TritonDevicePart.fp8_decode_choice``, the extension built where it can be) at the first such
-step, and ``fp8_decode_reason`` says which runs and why.
-
 FP8 caches (``fp8_kv_dtypes``, narrowed by the device part's ``fp8_kv_problem``): ``store_kv``
 and ``attend`` take the engine's float32 ``k_scale`` / ``v_scale`` device tensors of one or
 ``Hkv`` elements; ``PagedOps.check_scales`` gives ``[Hkv]`` views (stride 0 for one value), which
@@ -35,7 +28,7 @@ from attnplug.memory.fp8 import FP8_KV_DTYPES
 from attnplug.ops.base import OpsInputError, PagedOps
 
 from .kernels.interpret import interpreting
-from .planner import LaunchShape, fp8_decode_serves, plan_paged
+from .planner import LaunchShape, plan_paged
 from .tuning import CudaTuning
 
 __all__ = ["CudaOps"]
@@ -74,10 +67,6 @@ class CudaOps(PagedOps):
         self.tuning = dataclasses.replace(tuning, kv_store="triton")
         self.pdl = ok and tuning.pdl
         self._schedule = pdl.PLAIN if self.pdl else None
-        self._part, self._early = part, pdl.EARLY if self.pdl else None
-        #: the FP8 decode kernel (``CudaTuning.fp8_decode``) and why: chosen at the first FP8
-        #: decode step it could serve (None until then)
-        self.fp8_decode_reason: Optional[str] = None
         self._kv_store, self._paged_attention = kv_store.kv_store, paged_attention.paged_attention
         self._inputs, self._key_table, self._scales = common.AttentionInputs, common.KeyTable, common.KVScales
         self._num_sms = part.compute_units(self.device)
@@ -154,22 +143,4 @@ class CudaOps(PagedOps):
             sinks,
             scales,
         )
-        if fp8_decode_serves(shape, self.tuning) and self._cpp_fp8_decode(query, kc, vc, sinks):
-            self._fp8_decode(query, kc, vc, out, inputs, pdl=self._early)
-            return out
         return self._paged_attention(query, kc, vc, out, inputs, plan_paged(shape, self.tuning), pdl=self._schedule)
-
-    def _cpp_fp8_decode(self, query, kc, vc, sinks) -> bool:
-        """Whether the C++ FP8 decode kernel runs this step: chosen once (a failed choice turns
-        ``tuning.fp8_decode`` to ``triton``, so later steps ask nothing), then q's dtype (16-bit),
-        the caches' layout and the sinks' (contiguous), host facts only."""
-        if self.fp8_decode_reason is None:
-            impl, self.fp8_decode_reason = self._part.fp8_decode_choice(self.tuning.fp8_decode, self.device)
-            self.tuning = dataclasses.replace(self.tuning, fp8_decode=impl)
-            if impl != "cpp":
-                return False
-            from .cpp_ext import fp8_decode, fp8_decode_layout_ok
-
-            self._fp8_decode, self._fp8_layout_ok = fp8_decode, fp8_decode_layout_ok
-        half = query.dtype in (torch.float16, torch.bfloat16)
-        return half and self._fp8_layout_ok(kc, vc) and (sinks is None or sinks.is_contiguous())

@@ -11,11 +11,6 @@ plan and the PDL schedules of their launches:
   SM; with the C++ KV store, a store launch first and ``store_attend`` storing nothing;
 * ``PAGED_STORE``: ``paged_attention`` alone, storing the step's K/V in its launch (other
   decode and draft steps of up to ``paged_store_rows`` rows a request, the Triton store);
-* ``FP8_DECODE``: where ``PAGED_STORE`` would run a decode step over an FP8 cache whose
-  shape the CUDA C++ kernel serves (``fp8_decode_serves``: one token a request, head dim 128,
-  groups of 1, 2, 4 or 8 q heads, at least ``fp8_decode_groups_per_sm`` (request, kv head)
-  groups an SM, the kernel loaded: ``CudaTuning.fp8_decode``), that kernel
-  (``csrc/fp8_decode.cu``) alone, storing the step in its launch;
 * ``TWO_LAUNCH``: a KV store launch, then ``paged_attention`` (and its split combine).
 
 The kernel plans (``OneLaunchPlan``, ``PagedPlan``) are the kernels' compile-time choices,
@@ -58,7 +53,6 @@ __all__ = [
     "plan_one_launch",
     "plan_paged",
     "one_launch_serves",
-    "fp8_decode_serves",
     "one_launch_workspace_numel",
     "paged_workspace_numel",
     "store_tokens",
@@ -70,7 +64,6 @@ class Path(enum.Enum):
 
     ONE_LAUNCH = "one launch: store_attend"
     PAGED_STORE = "paged_attention storing the step"
-    FP8_DECODE = "the C++ FP8 decode kernel storing the step"
     TWO_LAUNCH = "KV store, then paged_attention"
 
 
@@ -170,7 +163,7 @@ class LayerPlan:
     schedules of its attention launch as the step's first launch after the metadata launch
     (``first``) and later (``later``); both None without PDL."""
 
-    kernel: object  # OneLaunchPlan, PagedPlan, or None (FP8_DECODE: the C++ kernel has no plan)
+    kernel: object  # OneLaunchPlan or PagedPlan
     first: Optional[Schedule]
     later: Optional[Schedule]
 
@@ -223,24 +216,6 @@ def one_launch_serves(num_reqs: int, num_kv_heads: int, max_q_len: int, group: i
     )
 
 
-def fp8_decode_serves(shape: LaunchShape, t: CudaTuning) -> bool:
-    """Whether the CUDA C++ FP8 decode kernel (``cpp_ext.fp8_decode``) serves a launch: the
-    kernel is loaded (``t.fp8_decode == "cpp"``, the backend's resolved choice), the cache is
-    FP8, one new token a request, head dim 128, 1, 2, 4 or 8 q heads a kv head, and at least
-    ``t.fp8_decode_groups_per_sm`` (request, kv head) groups an SM: its grid is one CTA a group,
-    with no KV split, so smaller steps run faster through the Triton kernels' splits."""
-    return (
-        t.fp8_decode == "cpp"
-        and shape.kv_fp8
-        and not shape.tile_map
-        and shape.max_q_len <= 1
-        and shape.num_tokens == shape.num_reqs
-        and shape.head_dim == 128
-        and shape.group in (1, 2, 4, 8)
-        and shape.num_reqs * shape.num_kv_heads >= t.fp8_decode_groups_per_sm * shape.num_sms
-    )
-
-
 @functools.lru_cache(maxsize=4096)
 def plan_step(
     shape: AttentionShape,
@@ -264,36 +239,20 @@ def plan_step(
         kinds.append((s.window, s.table_width(max_q_len)))
     one = t.one_launch and one_launch_serves(num_reqs, s.num_kv_heads, max_q_len, s.group, s.num_sms, t)
     rows = max(1, max_q_len) * s.group
-
-    def launch_shape(window, max_kv_len):
-        return LaunchShape(
-            num_reqs,
-            num_tokens,
-            s.num_kv_heads,
-            s.group,
-            s.head_dim,
-            max_q_len,
-            max_kv_len,
-            window,
-            s.num_sms,
-            s.kv_fp8,
-            tile_map,
-        )
-
     if tile_map:
         path = Path.TWO_LAUNCH
     elif one:
         path = Path.ONE_LAUNCH
     elif t.paged_store and t.kv_store == "triton" and rows <= t.paged_store_rows:
-        path = Path.FP8_DECODE if fp8_decode_serves(launch_shape(*kinds[0]), t) else Path.PAGED_STORE
+        path = Path.PAGED_STORE
     else:
         path = Path.TWO_LAUNCH
     plans = []
     for window, max_kv_len in kinds:
-        launch = launch_shape(window, max_kv_len)
-        if path is Path.FP8_DECODE:  # the C++ kernel: the schedules of paged_attention storing the step
-            plans.append(LayerPlan(None, EARLY if pdl else None, PROLOGUE if pdl else None))
-            continue
+        group, heads = s.group, s.num_kv_heads
+        launch = LaunchShape(
+            num_reqs, num_tokens, heads, group, s.head_dim, max_q_len, max_kv_len, window, s.num_sms, s.kv_fp8, tile_map
+        )
         if path is Path.ONE_LAUNCH:
             kernel = plan_one_launch(launch, t)
             # decode steps whose groups fill a sixteenth of the SMs release at entry, so their

@@ -70,13 +70,6 @@ class TritonDevicePart(DevicePart):
             return "triton", f"the CUDA C++ KV store is CUDA-only (not on {self.device_type})"
         return "triton", "the Triton KV store"
 
-    def fp8_decode_choice(self, wanted: str, device: torch.device) -> Tuple[str, str]:
-        """``(kernel, reason)``: the FP8 decode kernel (``CudaTuning.fp8_decode``) a backend
-        over an FP8 pool on ``device`` asked for ``wanted`` runs with."""
-        if wanted == "cpp":
-            return "triton", f"the CUDA C++ FP8 decode kernel is CUDA-only (not on {self.device_type})"
-        return "triton", "paged_attention (CudaTuning.fp8_decode='triton')"
-
     def default_tuning(self) -> CudaTuning:
         tuning = CudaTuning.from_env()
         if getattr(torch.version, "hip", None):  # a register cap and PTX are NVIDIA compile options

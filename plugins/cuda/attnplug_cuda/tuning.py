@@ -11,9 +11,7 @@ The paths a decode or draft step's layers can take (``planner.plan_step``):
   ``one_launch_groups_per_sm`` (request, kv head) groups an SM run ONE launch a layer,
   ``store_attend`` (store, attention and split merge);
 * ``paged_store``: other steps of up to ``paged_store_rows`` rows a request store their K/V
-  inside the ``paged_attention`` launch; over an FP8 cache, with ``fp8_decode="cpp"``, decode
-  steps of at least ``fp8_decode_groups_per_sm`` groups an SM whose shape it serves run the
-  CUDA C++ FP8 decode kernel instead, storing the step the same way;
+  inside the ``paged_attention`` launch;
 * otherwise, and for extends, a KV store launch, then ``paged_attention`` (and its split
   combine when decode splits the KV range).
 """
@@ -44,15 +42,6 @@ class CudaTuning:
     one_launch: bool = True
     #: other decode and draft steps store their K/V inside the ``paged_attention`` launch
     paged_store: bool = True
-    #: an FP8 cache's decode kernel for the steps ``fp8_decode_groups_per_sm`` bounds:
-    #: ``triton`` (``paged_attention``), or ``cpp`` (``ATTNPLUG_FP8_DECODE``: the CUDA C++
-    #: kernel, ``csrc/fp8_decode.cu``, where the plugin's extension loads on a device of
-    #: compute capability >= 9.0; the backend records its choice and why in
-    #: ``fp8_decode_reason``). Opt-in until it has run on a GPU (docs/benchmarks.md, "Open")
-    fp8_decode: str = "triton"
-    #: the C++ FP8 decode kernel runs steps of at least this many (request, kv head) groups an
-    #: SM (one CTA a group, four CTAs an SM, no KV split; smaller steps split through Triton)
-    fp8_decode_groups_per_sm: int = 2
 
     # ``store_attend`` (one launch a layer)
     #: most (token, q head) rows of one request
@@ -123,8 +112,6 @@ class CudaTuning:
     def __post_init__(self) -> None:
         if self.kv_store not in env.KV_STORE_KERNELS:
             raise ValueError(f"kv_store must be one of {env.KV_STORE_KERNELS}, got {self.kv_store!r}")
-        if self.fp8_decode not in env.FP8_DECODE_KERNELS:
-            raise ValueError(f"fp8_decode must be one of {env.FP8_DECODE_KERNELS}, got {self.fp8_decode!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("bool", bool):
@@ -153,6 +140,5 @@ class CudaTuning:
     @classmethod
     def from_env(cls) -> "CudaTuning":
         """The defaults with the user's environment applied (``ATTNPLUG_DISABLE_PDL``,
-        ``ATTNPLUG_KV_STORE``, ``ATTNPLUG_FP8_DECODE``; a value that does not parse raises
-        ``EnvError``)."""
-        return cls(pdl=not env.pdl_disabled(), kv_store=env.kv_store_kernel(), fp8_decode=env.fp8_decode_kernel())
+        ``ATTNPLUG_KV_STORE``; a value that does not parse raises ``EnvError``)."""
+        return cls(pdl=not env.pdl_disabled(), kv_store=env.kv_store_kernel())

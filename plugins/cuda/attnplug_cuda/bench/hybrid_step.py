@@ -42,9 +42,7 @@ Around the new path's steps, in the same run:
   one byte a cached element; ``new / new-fp8`` held to ``FP8_TARGET`` at ``FP8_SIZES`` (the
   difference of the two outputs is the quantisation's, reported); at every DECODE size its
   first SWA and full layer checked against float32 attention over the dequantised cache.
-  Where the cuda backend does not serve that cache, one error row says so. At ``FP8_SIZES``
-  the same cache with the CUDA C++ decode kernel (``new-fp8-cpp``, ``fp8_decode="cpp"``):
-  ``new-fp8 / new-fp8-cpp`` and ``new / new-fp8-cpp``, reported;
+  Where the cuda backend does not serve that cache, one error row says so;
 * **FlashInfer** (``flashinfer_peer``; DECODE, when ``import flashinfer`` works): its
   attention-only time for all layers in one graph in the best of its configurations (page
   size, layout, tensor cores, graph mode; named in the row), ``flashinfer / new`` held to
@@ -123,8 +121,7 @@ def variants() -> dict:
     ``new-two-launch``: without its one-launch small steps and in-attention stores, at
     ``TWO_LAUNCH_SIZES``; ``new-store-launch``: a KV store launch before each
     ``paged_attention``, at ``STORE_LAUNCH_SIZES``; ``new-fp8``: the cuda backend over an
-    ``FP8_CACHE`` cache (floors measured, its DECODE attention checked); ``new-fp8-cpp``:
-    the same with the CUDA C++ FP8 decode kernel, at ``FP8_SIZES``."""
+    ``FP8_CACHE`` cache (floors measured, its DECODE attention checked)."""
     from .before import BeforeBackend
 
     return {
@@ -139,9 +136,6 @@ def variants() -> dict:
         ),
         "new-fp8": StepVariant(
             make=cuda_backend(), floor=True, kv_cache_dtype=FP8_CACHE, vs_baseline=False, check_attention=True
-        ),
-        "new-fp8-cpp": StepVariant(
-            make=cuda_backend(fp8_decode="cpp"), sizes=FP8_SIZES, kv_cache_dtype=FP8_CACHE, vs_baseline=False
         ),
     }
 
@@ -206,7 +200,6 @@ def run(ctx: Ctx) -> List[dict]:
     one_launch = StepRatio(slow="new-two-launch", fast="new")
     store_in_attention = StepRatio(slow="new-store-launch", fast="new", identical=True)
     fp8 = StepRatio(slow="new", fast="new-fp8", target=FP8_TARGET, held_at=FP8_SIZES)
-    fp8_cpp = [StepRatio(slow="new-fp8", fast="new-fp8-cpp"), StepRatio(slow="new", fast="new-fp8-cpp")]
     return run_step_benchmark(
         ctx,
         name=NAME,
@@ -221,7 +214,7 @@ def run(ctx: Ctx) -> List[dict]:
         tolerance=1e-2,
         time_targets=TIME_TARGETS_US,
         launch_floor=EmptyKernelFloor(ctx.timer, repeats=3 if ctx.quick else 5),
-        ratios=[pdl_ratio, one_launch, store_in_attention, fp8, *fp8_cpp],
+        ratios=[pdl_ratio, one_launch, store_in_attention, fp8],
         peers=[flashinfer_peer(), flashinfer_fp8_peer()],
         prep=PrepCheck(variant="new", bs=PREP_BS, target_us=PREP_TARGET_US, iters=300 if ctx.quick else 2000),
     )

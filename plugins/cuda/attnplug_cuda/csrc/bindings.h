@@ -4,5 +4,4 @@
 
 #include <torch/extension.h>
 
-void attnplug_register_kv_store(pybind11::module_& m);    // kv_store_binding.cpp
-void attnplug_register_fp8_decode(pybind11::module_& m);  // fp8_decode_binding.cpp
+void attnplug_register_kv_store(pybind11::module_& m);  // kv_store_binding.cpp

@@ -3,7 +3,6 @@
 #include "bindings.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "attnplug CUDA C++ kernels: the KV store and FP8 decode attention, with PDL";
+  m.doc() = "attnplug CUDA C++ kernels: the KV store, with PDL";
   attnplug_register_kv_store(m);
-  attnplug_register_fp8_decode(m);
 }
