@@ -239,6 +239,7 @@ def test_rocm_serves_e5m2_only_and_says_why(monkeypatch):
     assert ops.fp8_kv_dtypes == (torch.float8_e5m2,)
     rocm = CudaBackend.device_part.default_tuning()
     assert rocm.fp8_decode_registers is None and not rocm.fp8_ptx_convert  # NVIDIA options
+    assert not rocm.settle_flash_products
     cache = torch.zeros(4, 2, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
     k = torch.zeros(1, 2, 16, dtype=torch.float16, device=DEVICE)
     one = torch.ones(1, device=DEVICE)

@@ -127,6 +127,27 @@ def test_plan_fills_an_h200_for_swa_decode():
                 assert need <= paged_workspace_numel(bs * q_len, 32, 128, CudaTuning())
 
 
+def test_read_ahead_flash_tiles_settle_their_products_on_nvidia_only():
+    """The flash tiles that read their slots ahead settle each key block's products
+    (``PagedPlan.SETTLE``, ``CudaTuning.settle_flash_products``); no other tile does, nor any
+    where the tuning turns it off (XPU's and ROCm's defaults: the inline asm is NVIDIA's)."""
+    import dataclasses
+
+    from attnplug_xpu.device import xpu_tuning
+
+    off = dataclasses.replace(CudaTuning(), settle_flash_products=False)
+    seen = set()
+    for d in (64, 128, 256):
+        for shape in ((1, 2048, 8, 4, d, 2048, 2048, None, 132), (1, 2048, 8, 4, d, 2048, 2048, 1024, 132),
+                      (64, 64, 8, 4, d, 1, 1024, None, 132), (8, 32, 8, 4, d, 4, 1024, None, 132)):  # fmt: skip
+            plan = plan_attention(*shape)
+            assert plan.SETTLE == plan.SLOTS_AHEAD, (shape, plan)
+            assert plan_paged(LaunchShape(*shape), off) == plan._replace(SETTLE=False)
+            seen.add(plan.SETTLE)
+    assert seen == {True, False}
+    assert CudaTuning().settle_flash_products and not xpu_tuning().settle_flash_products
+
+
 @pytest.mark.parametrize(
     "q_lens,seq_lens,window,splits",
     [

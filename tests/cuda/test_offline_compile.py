@@ -1,6 +1,7 @@
 """``offline_compile`` on a machine without a GPU: a recorded launch is compiled with the
 specialisation its arguments give (the alignment a GPU launch would see); the PDL prologue's
-L2 prefetch in ``paged_attention``'s compiled code; its prefill tiles' K/V pipeline."""
+L2 prefetch in ``paged_attention``'s compiled code; its prefill tiles' K/V pipeline and
+products."""
 
 import json
 import os
@@ -63,6 +64,21 @@ def test_paged_attention_prefill_tiles_pipeline_their_kv_tiles_to_the_stages():
         assert plan["block_m"] == 128 and deeper["stages"] == plan["stages"] + 1, result
         if plan["slots_ahead"]:
             assert deeper["shared_bytes"] - plan["shared_bytes"] >= plan["kv_block_bytes"], (head_dim, result)
+
+
+def test_paged_attention_prefill_products_are_not_serialised():
+    """The head dim 128 flash tiles (full layer and window) settle each key block's products in
+    its iteration (``PagedPlan.SETTLE``): ptxas reports no "Potential Performance Loss" and
+    each key-block loop waits for its ``wgmma`` groups at most twice (QK^T, then P·V). With the
+    P·V products in flight across the loop's back edge, Triton 3.6's PTX of these tiles (32 q /
+    8 kv heads) made ptxas serialise every ``wgmma`` (C7515): 16 waits a block."""
+    result = json.loads(_run(os.path.join(HERE, "flash_products_probe.py")).strip().splitlines()[-1])
+    for case in ("full plan", "window plan"):
+        r = result[case]
+        assert r["slots_ahead"] and r["settle"], result
+        assert r["losses"] == [], result
+        assert r["loops"] and all(1 <= loop["depbar"] <= 2 for loop in r["loops"]), result
+    assert not result["full unsettled"]["settle"], result
 
 
 def test_paged_attention_quantises_each_new_value_of_an_fp8_step_once():

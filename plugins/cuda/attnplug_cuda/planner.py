@@ -98,8 +98,9 @@ class PagedPlan(NamedTuple):
     ``num_warps`` / ``num_stages``, ``max_registers`` (a thread's register cap, Triton's
     ``maxnreg``; None: the compiler's choice), ``SLOTS_AHEAD`` (with ``PHASES``: each key
     block's slots read from the key table one block ahead, so the K/V tiles pipeline to
-    ``num_stages``) and ``ONE_TOKEN`` (decode tiles whose requests have one new token each: no
-    key of their range is masked by position)."""
+    ``num_stages``), ``SETTLE`` (with ``SLOTS_AHEAD``: each key block's products waited for in
+    its iteration, ``CudaTuning.settle_flash_products``) and ``ONE_TOKEN`` (decode tiles whose
+    requests have one new token each: no key of their range is masked by position)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -111,6 +112,7 @@ class PagedPlan(NamedTuple):
     max_registers: Optional[int] = None
     SLOTS_AHEAD: bool = False
     ONE_TOKEN: bool = False
+    SETTLE: bool = False
 
 
 @dataclass(frozen=True)
@@ -439,6 +441,9 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         # docs/benchmarks.md "Prefill"); at 256, measured slower that way, in the block's iteration.
         SLOTS_AHEAD=block_m > 16 and block_d <= 128,
         ONE_TOKEN=block_m <= 16 and max_q_len <= 1,
+        # the read-ahead tiles' P·V products in flight across the loop's back edge make ptxas
+        # serialise every wgmma of the kernel (sm_90): waited in their block's iteration instead
+        SETTLE=block_m > 16 and block_d <= 128 and t.settle_flash_products,
     )
 
 

@@ -73,7 +73,9 @@ class TritonDevicePart(DevicePart):
     def default_tuning(self) -> CudaTuning:
         tuning = CudaTuning.from_env()
         if getattr(torch.version, "hip", None):  # a register cap and PTX are NVIDIA compile options
-            tuning = dataclasses.replace(tuning, fp8_decode_registers=None, fp8_ptx_convert=False)
+            tuning = dataclasses.replace(
+                tuning, fp8_decode_registers=None, fp8_ptx_convert=False, settle_flash_products=False
+            )
         return tuning
 
     def fp8_kv_problem(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> Optional[str]:

@@ -101,6 +101,12 @@ class CudaTuning:
     #: PTX, converts with Triton's cast: the same values). (``paged_attention``'s decode tiles
     #: measured slower that way: docs/benchmarks.md, "The FP8 decode tiles".)
     fp8_ptx_convert: bool = True
+    #: ``paged_attention``'s flash tiles that read their slots ahead (``PagedPlan.SLOTS_AHEAD``)
+    #: wait for each key block's products in that block's iteration (``common.settle``, an
+    #: empty inline-asm use of the accumulator): with the P·V products in flight across the
+    #: loop's back edge, ptxas serialises every ``wgmma`` of the kernel (its warning C7515,
+    #: compiled for sm_90). An NVIDIA compile option: other devices' defaults have False.
+    settle_flash_products: bool = True
 
     # the device's tiles (``TritonDevicePart.default_tuning``: other devices other defaults)
     #: the widest key block of any plan (a power of two >= 16)

@@ -55,6 +55,7 @@ def xpu_tuning() -> CudaTuning:
         min_flash_warps=8,
         fp8_decode_registers=None,
         fp8_ptx_convert=False,
+        settle_flash_products=False,
     )
 
 

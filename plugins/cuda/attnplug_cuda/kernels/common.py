@@ -240,6 +240,16 @@ def product_tile(x, dtype, PTX: tl.constexpr):
 
 
 @triton.jit
+def settle(x):
+    """``x`` itself, once the asynchronous products that made it are done: Triton waits for a
+    product's result before its first use that is not a product, and this empty inline asm
+    (NVIDIA's; the interpreter runs none) is such a use. A flash tile's accumulator settled
+    at the end of each key block is not in flight across the loop's back edge, where ptxas
+    (sm_90) would otherwise serialise every ``wgmma`` of the kernel."""
+    return tl.inline_asm_elementwise("", "=r,0", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def table_entry(keys, b):
     """Request ``b``'s row index in the key table and its ``start`` (0 without one)."""
     t_idx = tl.load(keys.rows + b).to(tl.int64)

@@ -43,7 +43,9 @@ Design (one program = one request x one kv head x ``BLOCK_M`` rows x one KV spli
 * large tiles (``PHASES``) run the key blocks every row sees whole in an unmasked loop
   between the masked edge blocks (diagonal, window start, split end); with ``SLOTS_AHEAD``
   each loop reads its blocks' slots one block ahead (``_attend_range``: the K/V tiles then
-  pipeline to ``num_stages``).
+  pipeline to ``num_stages``), and with ``SETTLE`` waits for a block's products in its
+  iteration (``common.settle``: in flight across the loop's back edge, they made ptxas
+  serialise every ``wgmma`` of the kernel).
 
 The plan (``planner.plan_paged``) comes from host bounds only; with splits, the partials take
 ``T * H * splits * (D + 2)`` fp32 elements of ``workspace`` (``planner.paged_workspace_numel``
@@ -88,12 +90,13 @@ from .common import (
     pdl_wait,
     quantize_kv,
     scaled_logits,
+    settle,
     slot_is_key,
     softmax_block,
     table_entry,
     table_row,
 )
-from .interpret import ensure_interpreter_compat
+from .interpret import ensure_interpreter_compat, interpreting
 from .pdl import PLAIN, Schedule, launch_options
 
 __all__ = ["paged_attention"]
@@ -153,7 +156,7 @@ def _attend_block(acc, l_i, m_i, q, qk_scale, softcap_log2, start, s_hi, pos, lo
 @triton.jit
 def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end, s_hi, pos, lo, t_row, t_start, width,
                   num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  EVEN_D: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
+                  EVEN_D: tl.constexpr, AHEAD: tl.constexpr, SETTLE: tl.constexpr):  # fmt: skip
     """Key blocks ``i_begin <= i < i_end`` (block ``i`` starts at ``s_lo + i * BLOCK_N``), all
     of one kind (``MASKED``), folded into ``(acc, l_i, m_i)``.
 
@@ -161,7 +164,8 @@ def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end
     block ahead and carried into the next iteration, so no K/V address waits for a table load
     of its own iteration and Triton's pipeliner issues the K/V tiles ``num_stages - 1`` blocks
     ahead (with the table read in the iteration that uses it, the tiles stay one block ahead
-    whatever the stages). Only the slots are carried: carrying their validity too made Triton
+    whatever the stages). With ``SETTLE`` the accumulator is settled at the end of each
+    block (``common.settle``). Only the slots are carried: carrying their validity too made Triton
     3.9's pipeliner fail to compile the loop. The read past the last block stays inside the
     table's row (``key_slots``) and is not used. (The two loops are written apart: as one
     loop with ``AHEAD`` branches inside, the read-ahead tiles compile to other code.)"""
@@ -175,6 +179,8 @@ def _attend_range(acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i_begin, i_end
                 acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo + i * BLOCK_N, s_hi, pos, lo, slot, num_slots,
                 K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, MASKED, EVEN_D
             )  # fmt: skip
+            if SETTLE:
+                acc = settle(acc)
             slot = slot_next
     else:
         for i in range(i_begin, i_end):
@@ -219,6 +225,7 @@ def _paged_attention_kernel(
     PF_LINES: tl.constexpr,  # 128-byte lines of one K/V row of a kv head (power of 2)
     LINE_ELEMS: tl.constexpr,  # elements of a 128-byte line
     NEW_TOKENS: tl.constexpr,  # tokens of the store's tile (planner.store_tokens), 1 without New
+    SETTLE: tl.constexpr,  # PLAN.SETTLE where the kernel is compiled (the interpreter runs no asm)
 ):
     BLOCK_M: tl.constexpr = PLAN.BLOCK_M
     BLOCK_N: tl.constexpr = PLAN.BLOCK_N
@@ -357,15 +364,15 @@ def _paged_attention_kernel(
         # fmt: off
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, 0, i0, s_hi, pos, lo, t_row, t_start, width,
-            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD, SETTLE
         )
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i0, i1, s_hi, pos, lo, t_row, t_start, width,
-            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, False, EVEN_D, PLAN.SLOTS_AHEAD
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, False, EVEN_D, PLAN.SLOTS_AHEAD, SETTLE
         )
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, q, qk_scale, softcap_log2, s_lo, i1, n_blocks, s_hi, pos, lo, t_row, t_start, width,
-            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD
+            num_slots, K, V, kv_stride, kv_col, d_valid, window, BLOCK_N, True, EVEN_D, PLAN.SLOTS_AHEAD, SETTLE
         )
         # fmt: on
     else:
@@ -536,6 +543,7 @@ def paged_attention(
         PF_LINES=triton.next_power_of_2(triton.cdiv(D * k_cache.element_size(), 128)),
         LINE_ELEMS=128 // k_cache.element_size(),
         NEW_TOKENS=1 if new is None else store_tokens(max_q_len),
+        SETTLE=plan.SETTLE and not interpreting(),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **launch_options(pdl),
