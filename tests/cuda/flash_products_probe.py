@@ -1,10 +1,11 @@
-"""``paged_attention``'s head dim 128 prefill launch (one request of 1,024 tokens, 8 kv heads of
-4 q heads: a full layer and a 256-key window), recorded on CPU tensors and compiled for sm_90 through
-``offline_compile`` with its plan and with ``SETTLE`` off; prints, per variant, whether the
-plan reads its slots ahead and settles, the "Potential Performance Loss" lines of the ptxas
-Triton compiles sm_90 with, run on the kernel's PTX (``-v``), and per loop of the SASS (a backward branch) its
-instructions and its ``WARPGROUP.DEPBAR`` (one waits for a group of ``wgmma``: serialised
-products wait after each one). Run without ``TRITON_INTERPRET``."""
+"""``paged_attention``'s head dim 128 prefill launch (one request of 1,024 tokens, 8 kv heads
+of 4 q heads: a full layer and a 256-key window), recorded on CPU tensors and compiled for
+sm_90 through ``offline_compile`` with its plan and with ``SETTLE`` off; prints, per variant,
+whether the plan reads its slots ahead and settles, the "Potential Performance Loss" lines of
+the ptxas Triton compiles sm_90 with (``-v``, on the kernel's PTX), and for each loop of the
+SASS (a backward branch) with ``HGMMA`` in it, its instructions and its ``WARPGROUP.DEPBAR``
+(each waits for a group of ``wgmma``: serialised products wait after every one). Run without
+``TRITON_INTERPRET``."""
 
 import json
 import os
