@@ -426,6 +426,9 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
     if base < target and not tile_map:  # a tile map runs one split (its grid is the row blocks)
         splits = min(_cdiv(target, base), _cdiv(span, _split_keys(t.paged_split_keys, shape, t)), t.paged_max_splits)
         splits = max(1, min(splits, t.paged_split_tokens // max(1, num_tokens)))
+    # Flash tiles of head dims up to 128 read their slots ahead (faster at 128,
+    # docs/benchmarks.md "Prefill"); at 256, measured slower that way, in the block's iteration.
+    ahead = block_m > 16 and block_d <= 128
     # The decode tiles send their first key block's cached K/V lines to L2 before a PDL
     # prologue's wait; more blocks (a whole window) cost more than they save.
     return PagedPlan(
@@ -437,13 +440,11 @@ def plan_paged(shape: LaunchShape, tuning: CudaTuning) -> PagedPlan:
         num_warps=num_warps,
         num_stages=num_stages,
         max_registers=max_registers,
-        # Flash tiles of head dims up to 128 read their slots ahead (faster at 128,
-        # docs/benchmarks.md "Prefill"); at 256, measured slower that way, in the block's iteration.
-        SLOTS_AHEAD=block_m > 16 and block_d <= 128,
+        SLOTS_AHEAD=ahead,
         ONE_TOKEN=block_m <= 16 and max_q_len <= 1,
         # the read-ahead tiles' P·V products in flight across the loop's back edge make ptxas
         # serialise every wgmma of the kernel (sm_90): waited in their block's iteration instead
-        SETTLE=block_m > 16 and block_d <= 128 and t.settle_flash_products,
+        SETTLE=ahead and t.settle_flash_products,
     )
 
 
